@@ -192,6 +192,19 @@ def test_free_twice_is_harmless():
     pool.check_invariants()
 
 
+def test_free_with_owner_skips_blocks_handed_to_someone_else():
+    pool = make_pool(n_blocks=2, block_size=4)  # 1 K block
+    stale = pool.allocate("k", 4, owner=1)
+    pool.free_all(1)
+    reused = pool.allocate("k", 4, owner=2)
+    assert reused[0] is stale[0]
+    pool.free(stale, owner=1)  # the holder's request is gone: nothing happens
+    assert pool.blocks_for(2) == reused
+    pool.free(reused, owner=2)
+    assert pool.blocks_for(2) == []
+    pool.check_invariants()
+
+
 def test_free_rejects_foreign_blocks_before_changing_anything():
     pool, other = make_pool(), make_pool()
     mine = pool.allocate("k", 4, owner=1)

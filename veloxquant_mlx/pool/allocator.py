@@ -298,7 +298,7 @@ class BlockPoolAllocator:
                 self._record_locked()
             return taken
 
-    def free(self, blocks: list[Block]) -> None:
+    def free(self, blocks: list[Block], *, owner: int | None = None) -> None:
         """Return blocks to the free list for their stream.
 
         Blocks that are already free are skipped, so freeing twice is harmless (but a stale
@@ -310,6 +310,10 @@ class BlockPoolAllocator:
 
         Args:
             blocks: Blocks previously returned by allocate().
+            owner: If given, only blocks still checked out to this owner are freed; the rest are
+                skipped. Holders that may outlive their owner's ``free_all`` (a cache whose
+                request was already released) pass it so they can never free a block that has
+                since been handed to someone else.
 
         Raises:
             ValueError: If an item is not a live block of this pool (another pool's, or retired).
@@ -322,7 +326,7 @@ class BlockPoolAllocator:
             owners, free, stats = self._owners, self._free, self._stats
             by_owner: dict[Hashable, dict[Block, None]] = {}
             for block in blocks:
-                if block.owner is not None:  # already free blocks are skipped
+                if block.owner is not None and (owner is None or block.owner == owner):
                     by_owner.setdefault(block.owner, {})[block] = None  # dedupes too
             for owner, freed in by_owner.items():
                 record = owners[owner]
