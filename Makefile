@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check veloxquant_mlx tests benchmarks
-	$(VENV)/bin/ruff format --check veloxquant_mlx tests benchmarks
+	$(VENV)/bin/ruff check veloxquant_mlx tests benchmarks scripts
+	$(VENV)/bin/ruff format --check veloxquant_mlx tests benchmarks scripts
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -40,7 +40,10 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, layers: int = 2, vocab: in
         from mlx_lm.models import qwen3 as module
 
         args = module.ModelArgs(
-            model_type="qwen3", head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+            model_type="qwen3",
+            head_dim=16,
+            max_position_embeddings=512,
+            rope_theta=10000.0,
             **common,
         )
     else:

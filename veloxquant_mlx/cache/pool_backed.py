@@ -174,7 +174,7 @@ class PoolBackedKVCache:
 
     def make_mask(self, *args: Any, **kwargs: Any) -> Any:
         """Build an attention mask for the current offset via mlx_lm's create_attention_mask."""
-        return mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)
+        return mlx_cache.create_attention_mask(*args, offset=self.offset, **kwargs)  # type: ignore[misc]
 
     def empty(self) -> bool:
         """True if no keys/values have been written yet."""

@@ -87,6 +87,9 @@ class PoolBackedBatchKVCache(BatchKVCache):
             int(i)
             for i in (batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices)
         ]
+        if not keep:  # mlx_lm clears the list instead; filtering to nothing empties the cache
+            self.release()
+            return
         kept = set(keep)
         for i, lease in enumerate(self._leases):
             if i not in kept:
@@ -153,7 +156,7 @@ class PoolBackedBatchKVCache(BatchKVCache):
                 continue
             keys[i : i + 1, :, pad : pad + c.offset] = c.keys[..., : c.offset, :]
             values[i : i + 1, :, pad : pad + c.offset] = c.values[..., : c.offset, :]
-        batch.keys, batch.values = keys, values
+        batch.keys, batch.values = keys, values  # type: ignore[assignment]
         batch.offset += max_length
         batch._idx = max_length
         batch._reaccount()

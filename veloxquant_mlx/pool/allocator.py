@@ -328,11 +328,11 @@ class BlockPoolAllocator:
             for block in blocks:
                 if block.owner is not None and (owner is None or block.owner == owner):
                     by_owner.setdefault(block.owner, {})[block] = None  # dedupes too
-            for owner, freed in by_owner.items():
-                record = owners[owner]
+            for holder, freed in by_owner.items():
+                record = owners[holder]
                 record.blocks = [b for b in record.blocks if b not in freed]
                 if not record.blocks:
-                    del owners[owner]
+                    del owners[holder]
                 for block in freed:
                     if 0 < block.n_used < block_size:
                         record.n_fragmented -= 1
@@ -385,6 +385,11 @@ class BlockPoolAllocator:
         with self._lock:
             record = self._owners.get(owner)
             return len(record.blocks) if record else 0
+
+    def is_live(self, block_id: int) -> bool:
+        """True if ``block_id`` is managed by the pool (free or not); False once retired. O(1)."""
+        with self._lock:
+            return block_id in self._blocks
 
     def n_free(self, stream: str = "k") -> int:
         """Number of free blocks remaining for ``stream``.

@@ -1,0 +1,50 @@
+"""Shared fixtures. Every pool made through ``make_pool`` is checked all free after its test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may reach a model hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
+
+
+def assert_pool_all_free(pool: BlockPoolAllocator) -> None:
+    pool.check_invariants()
+    stats = pool.stats
+    assert stats.blocks_in_use() == 0, f"{stats.blocks_in_use()} blocks still in use"
+    assert pool.owner_block_counts() == {}, f"owners left: {pool.owner_block_counts()}"
+
+
+@pytest.fixture
+def make_pool() -> Iterator[Callable[..., BlockPoolAllocator]]:
+    """A factory of pools that are checked all free (no block, no owner) at teardown."""
+    pools: list[BlockPoolAllocator] = []
+
+    def make(**config) -> BlockPoolAllocator:
+        pool = BlockPoolAllocator(PoolConfig(**config))
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        assert_pool_all_free(pool)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded default model, made once per session in a temporary cache directory."""
+    from veloxquant_mlx.engine.default_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    import mlx_lm
+
+    return mlx_lm.load(str(default_model_dir))
