@@ -28,6 +28,7 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.pool_bench
+	$(PY) -m benchmarks.cache_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -54,8 +54,9 @@ def run_batch_generator(model, pool=None, on_step=None):
     return out
 
 
-def test_batch_generator_tokens_match_stock_with_rows_joining_and_leaving(make_pool):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama_sliding"])
+def test_batch_generator_tokens_match_stock_with_rows_joining_and_leaving(arch, make_pool):
+    model = tiny_model(arch)
     pool = make_pool(block_size=16, n_blocks=8192)
     seen_owners: set[int] = set()
 

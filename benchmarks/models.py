@@ -1,0 +1,49 @@
+"""Random-weight models for benchmarks, built in memory (nothing downloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from veloxquant_mlx.engine.default_model import CONFIG as DEFAULT_CONFIG
+
+# ~58M parameters: the "larger random model" of the benchmarks.
+MEDIUM_CONFIG = {
+    **DEFAULT_CONFIG,
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 8192,
+}
+CONFIGS = {"tiny": DEFAULT_CONFIG, "medium": MEDIUM_CONFIG}
+
+
+def build(name: str, seed: int = 0) -> Any:
+    """The model ``name`` ("tiny": the embedded default's shape, "medium": ~58M) in fp16."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIGS[name]))
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    return model
+
+
+def n_params(model: Any) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def blas_in_use() -> str:
+    """Which BLAS library MLX's CPU backend has loaded (from /proc/self/maps on Linux)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            libs = {line.split()[-1] for line in fh if "blas" in line.lower()}
+    except OSError:
+        return "unknown (not Linux)"
+    names = sorted({lib.rsplit("/", 1)[-1] for lib in libs if "/" in lib})
+    return ", ".join(names) or "none loaded"
