@@ -12,6 +12,7 @@ figure is the median. Batched: mlx_lm's BatchGenerator decoding 8 and 32 rows (3
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -22,7 +23,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from benchmarks.models import blas_in_use, build, n_params
+from benchmarks.models import build, n_params
+from veloxquant_mlx.blas import blas_in_use, ensure_blas
 from veloxquant_mlx.cache import build_pooled_caches
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
@@ -93,6 +95,7 @@ def batched(model: Any, rows: int, runs: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    ensure_blas(os.environ.get("VQ_BLAS", "auto"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--models", default="tiny,medium")

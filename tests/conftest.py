@@ -10,7 +10,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may reach a model hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from veloxquant_mlx.blas import ensure_blas
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Re-execute pytest once with an optimized BLAS preloaded (VQ_BLAS=off: the bundled one).
+
+    Output capture is stopped first, so the re-executed run writes to the real terminal.
+    """
+    if os.environ.get("VQ_BLAS_ACTIVE") or os.environ.get("VQ_BLAS") == "off":
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    ensure_blas(os.environ.get("VQ_BLAS", "auto"))
+    if capture is not None:  # not re-executed: nothing better found; carry on as we are
+        capture.start_global_capturing()
 
 
 def assert_pool_all_free(pool: BlockPoolAllocator) -> None:

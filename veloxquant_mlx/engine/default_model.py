@@ -16,7 +16,7 @@ from pathlib import Path
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Bump when the architecture or the recipe changes: a new directory is made beside the old one.
-VERSION = "v1"
+VERSION = "v2"
 SEED = 20261129
 CONFIG = {
     "model_type": "llama",
@@ -34,7 +34,8 @@ CONFIG = {
     "tie_word_embeddings": True,
     "bos_token_id": 1,
     "eos_token_id": 2,
-    "torch_dtype": "float16",
+    # float32: on a CPU, MLX's fp16 matmuls skip BLAS and run 10-50x slower (BENCHMARKS.md)
+    "torch_dtype": "float32",
 }
 NAME = "veloxquant-tiny-llama"
 
@@ -82,7 +83,7 @@ def _write_model(directory: Path) -> None:
     args = llama.ModelArgs.from_dict(CONFIG)
     model = llama.Model(args)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    weights = {name: value.astype(mx.float16) for name, value in flat}
+    weights = {name: value.astype(mx.float32) for name, value in flat}
     mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
     for name in TOKENIZER_FILES:

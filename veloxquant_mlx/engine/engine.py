@@ -1,0 +1,510 @@
+"""The engine: one thread that owns the model, the pool-backed batch and every MLX call."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.cache import build_pooled_caches
+from veloxquant_mlx.cache.pool_backed import default_step
+from veloxquant_mlx.engine import loader
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.running import Running
+from veloxquant_mlx.engine.sampling import make_processors, make_sampler
+from veloxquant_mlx.engine.sizing import Admission, KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.engine.types import (
+    EngineNotReadyError,
+    EngineStats,
+    FinishEvent,
+    GenerationRequest,
+    QueueFullError,
+    RequestTooLargeError,
+    TokenEvent,
+    Usage,
+)
+from veloxquant_mlx.pool import BlockPoolAllocator
+
+log = logging.getLogger("veloxquant.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the engine loads and how it batches; plain values from Settings."""
+
+    model: str | None = None  # None: the embedded default model
+    model_cache_dir: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_mb: float | None = 256.0
+    n_blocks: int | None = None
+    separate_kv: bool = True
+    grow_on_exhaustion: bool = False
+    max_blocks: int | None = None
+    max_running: int = 32
+    max_queue: int = 256
+    prefill_step: int = 512
+
+
+@dataclass(slots=True)
+class _Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: collections.Counter[str] = field(default_factory=collections.Counter)
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class Engine:
+    """Runs every request on one thread with mlx_lm's BatchGenerator over pool-backed caches.
+
+    Owns: the engine thread, the model and tokenizer (loaded on that thread), the
+    ``BlockPoolAllocator`` (sized from the model's KV geometry), the BatchGenerator, the waiting
+    FIFO and the running set. ``_lock`` (a Condition) guards the waiting queue, pending cancels,
+    commands and counters; it is never held across an MLX call. Other threads call ``submit``,
+    ``cancel``, ``stats``, ``shrink`` and ``shutdown``; they read the pool only through its own
+    thread-safe methods.
+
+    A request is admitted only when the pool can hold it to its end alongside every running
+    request (see ``Admission``); until then it waits in FIFO order. Whatever ends a request
+    (finish, stop string, cancel, error, shutdown), its blocks are released in a ``finally``
+    with ``pool.free_all(request_id)``.
+
+    Args:
+        config: What to load and how to size and batch.
+        step_hook: Called on the engine thread before every step (tests inject faults here).
+    """
+
+    def __init__(self, config: EngineConfig, *, step_hook: Callable[[], None] | None = None):
+        self.config = config
+        self._step_hook = step_hook
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._cancels: set[int] = set()
+        self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
+            collections.deque()
+        )
+        self._counters = _Counters()
+        self._next_request_id = 0
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._draining = False
+        self._drain_deadline: float | None = None
+        self._alive = False
+        self._load_error: BaseException | None = None
+        self._running: dict[int, Running] = {}  # engine thread only: uid -> request
+        self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
+        # Set on the engine thread during load, read-only afterwards.
+        self.pool: BlockPoolAllocator | None = None
+        self.tokenizer: Any = None
+        self.model_name = ""
+        self.geometry: KVGeometry | None = None
+        self.kv_bytes_per_block = 0
+        self.blas = "unknown"
+        self._model: Any = None
+        self._generator: Any = None
+        self._admission: Admission | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Engine:
+        self._alive = True
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded. Raises the load error, or TimeoutError."""
+        if not self._ready.wait(timeout):
+            if self._load_error is not None:
+                raise self._load_error
+            raise TimeoutError("engine not ready in time")
+        if self._load_error is not None:
+            raise self._load_error
+
+    @property
+    def alive(self) -> bool:
+        return self._alive and self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._load_error is None and self.alive
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def context_window(self) -> int | None:
+        return self.geometry.context_window if self.geometry else None
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop admitting; let running requests finish until the deadline; cancel the rest.
+
+        Waiting requests are cancelled at once. Returns when the engine thread has exited and
+        released every block. Idempotent.
+        """
+        with self._lock:
+            if not self._draining:
+                self._draining = True
+                self._drain_deadline = time.monotonic() + max(0.0, drain_timeout)
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, drain_timeout) + 30.0)
+
+    # ------------------------------------------------------------------ callers' API
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue ``request``; returns its handle at once (events arrive as it runs).
+
+        Raises:
+            EngineNotReadyError: Still loading, draining, or the engine thread is dead.
+            RequestTooLargeError: Over the context window, or more than the whole pool at its
+                maximum size could ever hold.
+            QueueFullError: The waiting queue is at ``max_queue``.
+        """
+        end = len(request.prompt_tokens) + request.max_tokens
+        with self._lock:
+            if not self.ready or self._draining:
+                self._counters.rejected[EngineNotReadyError.reason] += 1
+                raise EngineNotReadyError(
+                    "the engine is draining" if self._draining else "the engine is not running"
+                )
+            assert self._admission is not None
+            window = self.context_window
+            if window is not None and end > window:
+                self._counters.rejected[RequestTooLargeError.reason] += 1
+                raise RequestTooLargeError(
+                    f"prompt ({len(request.prompt_tokens)} tokens) plus max_tokens "
+                    f"({request.max_tokens}) exceeds the context window of {window} tokens"
+                )
+            if not self._admission.could_ever_fit(end):
+                self._counters.rejected[RequestTooLargeError.reason] += 1
+                raise RequestTooLargeError(
+                    f"prompt plus max_tokens ({end} tokens) needs more KV blocks than the "
+                    "whole pool holds"
+                )
+            if len(self._waiting) >= self.config.max_queue:
+                self._counters.rejected[QueueFullError.reason] += 1
+                raise QueueFullError(f"{len(self._waiting)} requests waiting; try again later")
+            self._next_request_id += 1
+            handle = RequestHandle(self._next_request_id, request)
+            self._waiting.append(handle)
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a queued or running request; its blocks are freed within one step."""
+        with self._lock:
+            if not handle.done:
+                self._cancels.add(handle.request_id)
+                self._lock.notify_all()
+
+    def shrink(self, stream: str, target_free: int, timeout: float = 30.0) -> int:
+        """Retire free blocks down to ``target_free`` on the engine thread, never below what
+        running requests have been promised. ``stream`` "kv" on a separate pool means both.
+
+        Raises:
+            ValueError: On a bad stream or target; EngineNotReadyError if the engine is down.
+        """
+        if stream not in ("k", "v", "kv"):
+            raise ValueError(f"stream must be 'k', 'v' or 'kv', got {stream!r}")
+        if isinstance(target_free, bool) or not isinstance(target_free, int) or target_free < 0:
+            raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
+        return int(self._call(lambda: self._shrink(stream, target_free), timeout))
+
+    def stats(self) -> EngineStats:
+        """A frozen snapshot of the counters. Thread-safe."""
+        with self._lock:
+            c = self._counters
+            return EngineStats(
+                alive=self.alive,
+                ready=self.ready,
+                draining=self._draining,
+                running=self._n_running,
+                waiting=len(self._waiting),
+                prompt_tokens_total=c.prompt_tokens,
+                generated_tokens_total=c.generated_tokens,
+                requests_finished_total=dict(c.finished),
+                rejections_total=dict(c.rejected),
+                blocks_promised=self._promised,
+                kv_bytes_per_block=self.kv_bytes_per_block,
+            )
+
+    _n_running = 0  # mirrored under the lock for stats()
+    _promised = 0
+
+    def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        future: Future[Any] = Future()
+        with self._lock:
+            if not self.alive:
+                raise EngineNotReadyError("the engine is not running")
+            self._commands.append((fn, future))
+            self._lock.notify_all()
+        return future.result(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:
+            log.exception("engine failed to load the model")
+            self._load_error = exc
+            self._alive = False
+            self._ready.set()
+            mx.clear_streams()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self._fail_all(f"engine failure: {type(exc).__name__}: {exc}")
+        finally:
+            self._alive = False
+            self._release_everything()
+            if self._generator is not None:
+                self._generator.close()
+            # MLX needs its thread-local streams cleared before the thread ends, or the process
+            # aborts at exit ("terminate called without an active exception").
+            mx.clear_streams()
+            self._stopped.set()
+
+    def _load(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        from veloxquant_mlx.blas import blas_in_use
+
+        cfg = self.config
+        self._model, self.tokenizer, self.model_name = loader.load(
+            cfg.model, cfg.model_cache_dir, cfg.dtype
+        )
+        self.geometry = probe_geometry(self._model)
+        self.pool = BlockPoolAllocator(
+            pool_config(
+                self.geometry,
+                block_size=cfg.block_size,
+                kv_cache_mb=cfg.kv_cache_mb,
+                n_blocks=cfg.n_blocks,
+                separate_kv=cfg.separate_kv,
+                grow_on_exhaustion=cfg.grow_on_exhaustion,
+                max_blocks=cfg.max_blocks,
+            )
+        )
+        self.kv_bytes_per_block = self.geometry.bytes_per_block(cfg.block_size)
+        self._admission = Admission(self.pool, self.geometry.n_layers, default_step(self.pool))
+        eos = sorted(self.tokenizer.eos_token_ids)
+        self._generator = BatchGenerator(
+            self._model,
+            stop_tokens=[[t] for t in eos],
+            completion_batch_size=cfg.max_running,
+            prefill_batch_size=min(cfg.max_running, 8),
+            prefill_step_size=cfg.prefill_step,
+        )
+        mx.eval(mx.zeros(1))
+        self.blas = blas_in_use()
+        log.info(
+            "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
+            self.model_name,
+            self.pool.stats.n_blocks,
+            cfg.block_size,
+            self.kv_bytes_per_block,
+            self.pool.stats.n_blocks * self.kv_bytes_per_block / 2**20,
+            self.blas,
+        )
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while (
+                    not self._waiting
+                    and not self._running
+                    and not self._cancels
+                    and not self._commands
+                    and not self._draining
+                ):
+                    self._lock.wait()
+                cancels, self._cancels = self._cancels, set()
+                commands = list(self._commands)
+                self._commands.clear()
+                draining, deadline = self._draining, self._drain_deadline
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            self._apply_cancels(cancels)
+            if draining:
+                self._cancel_waiting("the server is shutting down")
+                if not self._running:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    for uid in list(self._running):
+                        self._finish(uid, "cancelled", error=None)
+                    return
+            else:
+                self._admit()
+            if self._running:
+                if self._step_hook is not None:
+                    self._step_hook()
+                self._step()
+            self._publish()
+
+    def _publish(self) -> None:
+        promised = (
+            self._admission.need([r.end for r in self._running.values()]) if self._admission else 0
+        )
+        with self._lock:
+            self._n_running = len(self._running)
+            self._promised = promised
+
+    def _admit(self) -> None:
+        assert self._admission is not None and self.pool is not None
+        while len(self._running) < self.config.max_running:
+            with self._lock:
+                if not self._waiting:
+                    return
+                head = self._waiting[0]
+                ends = [r.end for r in self._running.values()]
+                end = len(head.request.prompt_tokens) + head.request.max_tokens
+                if not self._admission.fits([*ends, end]):
+                    return  # FIFO: nobody overtakes the head
+                self._waiting.popleft()
+                self._counters.prompt_tokens += len(head.request.prompt_tokens)
+            self._start(head, end)
+
+    def _start(self, handle: RequestHandle, end: int) -> None:
+        assert self.pool is not None
+        request = handle.request
+        owner = handle.request_id
+        try:
+            caches = build_pooled_caches(self._model, self.pool, owner=owner)
+            uid = self._generator.insert(
+                [list(request.prompt_tokens)],
+                [request.max_tokens],
+                caches=[caches],
+                samplers=[make_sampler(request.sampling)],
+                logits_processors=[make_processors(request.sampling)],
+            )[0]
+        except BaseException:
+            self.pool.free_all(owner)
+            raise
+        self._running[uid] = Running(handle, self.tokenizer, end)
+
+    def _step(self) -> None:
+        assert self.pool is not None
+        _, responses = self._generator.next()
+        now = time.monotonic()
+        finished: list[tuple[int, str]] = []
+        n_tokens = 0
+        for r in responses:
+            run = self._running.get(r.uid)
+            if run is None:
+                continue
+            n_tokens += 1
+            run.peak_blocks = max(run.peak_blocks, self.pool.n_blocks_for(run.handle.request_id))
+            if r.finish_reason == "stop":  # EOS: not part of the text
+                finished.append((r.uid, "stop"))
+                continue
+            text, stopped = run.add_token(r.token)
+            logprob, top = run.logprobs(r.token, r.logprobs)
+            run.handle._push(TokenEvent(r.token, text, now, logprob, top))
+            if stopped:
+                finished.append((r.uid, "stop"))
+            elif r.finish_reason == "length":
+                finished.append((r.uid, "length"))
+        with self._lock:
+            self._counters.generated_tokens += n_tokens
+        for uid, reason in finished:
+            self._finish(uid, reason, error=None)
+
+    def _finish(self, uid: int, reason: str, error: str | None) -> None:
+        """End a running request: out of the batch, blocks back, FinishEvent. Exactly once."""
+        assert self.pool is not None
+        run = self._running.pop(uid)
+        try:
+            self._generator.remove([uid])  # a no-op once BatchGenerator dropped it itself
+        finally:
+            self.pool.free_all(run.handle.request_id)
+            tail = run.flush() if reason in ("length", "stop") else ""
+            self._push_finish(run.handle, reason, run.n_generated, run.peak_blocks, tail, error)
+
+    def _push_finish(
+        self,
+        handle: RequestHandle,
+        reason: str,
+        n_generated: int,
+        peak_blocks: int,
+        tail: str = "",
+        error: str | None = None,
+    ) -> None:
+        usage = Usage(
+            prompt_tokens=len(handle.request.prompt_tokens),
+            completion_tokens=n_generated,
+            peak_kv_blocks=peak_blocks,
+            peak_kv_bytes=peak_blocks * self.kv_bytes_per_block,
+        )
+        with self._lock:
+            self._counters.finished[reason] += 1
+        handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error))
+
+    def _apply_cancels(self, request_ids: set[int]) -> None:
+        if not request_ids:
+            return
+        with self._lock:
+            cancelled = [h for h in self._waiting if h.request_id in request_ids]
+            for h in cancelled:
+                self._waiting.remove(h)
+        for h in cancelled:
+            self._push_finish(h, "cancelled", 0, 0)
+        for uid, run in list(self._running.items()):
+            if run.handle.request_id in request_ids:
+                self._finish(uid, "cancelled", error=None)
+
+    def _cancel_waiting(self, why: str) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for h in waiting:
+            self._push_finish(h, "cancelled", 0, 0, error=why)
+
+    def _shrink(self, stream: str, target_free: int) -> int:
+        assert self.pool is not None and self._admission is not None
+        ends = [r.end for r in self._running.values()]
+        streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
+        retired = 0
+        for s in streams:
+            name = s if self.config.separate_kv else "kv"
+            floor = self.pool.n_free(name) - self._admission.retirable(name, ends)
+            retired += self.pool.shrink(name, max(target_free, floor))
+        return retired
+
+    def _fail_all(self, message: str) -> None:
+        for uid in list(self._running):
+            try:
+                self._finish(uid, "error", error=message)
+            except BaseException:  # the batch itself may be broken: still tell the caller
+                log.exception("while failing request %d", uid)
+        self._running.clear()
+        with self._lock:
+            self._alive = False
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        for h in waiting:
+            self._push_finish(h, "error", 0, 0, error=message)
+        for _, future in commands:
+            future.set_exception(EngineNotReadyError(message))
+
+    def _release_everything(self) -> None:
+        if self.pool is None:
+            return
+        for owner in list(self.pool.owner_block_counts()):
+            self.pool.free_all(owner)  # type: ignore[arg-type]

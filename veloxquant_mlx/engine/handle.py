@@ -1,0 +1,101 @@
+"""RequestHandle: the caller's end of one request's event stream, usable from asyncio or threads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, TokenEvent
+
+Event = TokenEvent | FinishEvent
+
+
+class RequestHandle:
+    """Events of one submitted request, in order, ending with exactly one FinishEvent.
+
+    Made by ``Engine.submit``. When submitted from a running event loop, the engine thread
+    delivers events with ``loop.call_soon_threadsafe`` and ``async for`` consumes them without
+    blocking the loop; otherwise ``events()`` blocks a thread. Owns its queue; the engine is the
+    only producer.
+    """
+
+    def __init__(self, request_id: int, request: GenerationRequest) -> None:
+        self.request_id = request_id
+        self.request = request
+        self.submitted_at = time.monotonic()
+        self.finish: FinishEvent | None = None
+        self._done = threading.Event()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._async_queue: asyncio.Queue[Event] | None = (
+            asyncio.Queue() if self._loop is not None else None
+        )
+        self._sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    # ------------------------------------------------------------------ engine side
+
+    def _push(self, event: Event) -> None:
+        """Deliver an event (engine thread). Safe after the consumer's loop has closed."""
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        if self._loop is not None and self._async_queue is not None:
+            # A closed loop means nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+        else:
+            self._sync_queue.put(event)
+        if isinstance(event, FinishEvent):
+            self._done.set()
+
+    # ------------------------------------------------------------------ consumer side
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Event]:
+        if self._async_queue is None:
+            raise RuntimeError("this handle was not submitted from an event loop; use events()")
+        while True:
+            event = await self._async_queue.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Blocking iteration (threads). Raises queue.Empty if no event comes within timeout."""
+        if self._async_queue is not None:
+            raise RuntimeError("this handle was submitted from an event loop; use async for")
+        while True:
+            event = self._sync_queue.get(timeout=timeout)
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+    def collect(self, timeout: float | None = None) -> tuple[list[TokenEvent], FinishEvent]:
+        """All token events and the finish event (threads)."""
+        tokens: list[TokenEvent] = []
+        for event in self.events(timeout):
+            if isinstance(event, TokenEvent):
+                tokens.append(event)
+            else:
+                return tokens, event
+        raise AssertionError("event stream ended without a FinishEvent")
+
+    def text(self, timeout: float | None = None) -> str:
+        tokens, finish = self.collect(timeout)
+        return "".join(t.text for t in tokens) + finish.text
+
+    def __repr__(self) -> str:
+        state: Any = self.finish.finish_reason if self.finish else "pending"
+        return f"RequestHandle(request_id={self.request_id}, {state})"

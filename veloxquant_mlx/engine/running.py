@@ -1,0 +1,55 @@
+"""The engine's record of one running request: detokenizer, stop matcher, counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.stops import StopMatcher
+
+
+class Running:
+    """One admitted request on the engine thread. Owns its detokenizer and stop matcher."""
+
+    __slots__ = ("detokenizer", "end", "handle", "n_generated", "peak_blocks", "stops")
+
+    def __init__(self, handle: RequestHandle, tokenizer: Any, end: int) -> None:
+        self.handle = handle
+        self.end = end
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stops = StopMatcher(handle.request.stop)
+        self.n_generated = 0
+        self.peak_blocks = 0
+
+    def add_token(self, token: int) -> tuple[str, bool]:
+        """The text this token releases, and whether a stop string was reached."""
+        self.n_generated += 1
+        self.detokenizer.add_token(token)
+        return self.stops.feed(self.detokenizer.last_segment)
+
+    def flush(self) -> str:
+        """Text still held (an unfinished character, a stop-string prefix) at the end."""
+        self.detokenizer.finalize()
+        text, stopped = self.stops.feed(self.detokenizer.last_segment)
+        return text if stopped else text + self.stops.flush()
+
+    def logprobs(
+        self, token: int, logprobs: Any
+    ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        request = self.handle.request
+        if not request.logprobs:
+            return None, ()
+        lp = logprobs.astype(mx.float32)
+        top: tuple[tuple[int, float], ...] = ()
+        if request.top_logprobs:
+            k = request.top_logprobs
+            idx = mx.argpartition(-lp, kth=k - 1)[:k]
+            values = lp[idx]
+            order = mx.argsort(-values)
+            ids: list[int] = idx[order].tolist()  # type: ignore[assignment]
+            lps: list[float] = values[order].tolist()  # type: ignore[assignment]
+            top = tuple(zip(ids, lps, strict=True))
+        return float(lp[token].item()), top

@@ -1,0 +1,143 @@
+"""Plain values the engine trades with its callers: requests, events, stats, errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class EngineError(RuntimeError):
+    """Base of the errors ``Engine.submit`` raises; ``reason`` is a stable, metric-safe label."""
+
+    reason = "error"
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its bound; try again later (HTTP 429)."""
+
+    reason = "queue_full"
+
+
+class RequestTooLargeError(EngineError, ValueError):
+    """The request can never be served: over the context window or the whole pool (HTTP 400)."""
+
+    reason = "too_large"
+
+
+class EngineNotReadyError(EngineError):
+    """The engine is still loading, draining or dead (HTTP 503)."""
+
+    reason = "not_ready"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature=0`` is greedy; ``seed`` makes sampling reproducible,
+    alone or batched (each request draws from its own random key).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", 0.0 <= self.temperature <= 100.0),
+            ("top_p", 0.0 < self.top_p <= 1.0),
+            ("top_k", self.top_k >= 0),
+            ("min_p", 0.0 <= self.min_p <= 1.0),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0),
+        )
+        for name, ok in checks:
+            value = getattr(self, name)
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{name} out of range: {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One completion to run: token ids in, up to ``max_tokens`` out.
+
+    ``stop`` strings end generation when they appear in the text (matched across token
+    boundaries; never emitted). ``logprobs`` asks for the sampled token's logprob and the
+    ``top_logprobs`` most likely alternatives with every token.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise ValueError("prompt_tokens must not be empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token: its id, the text it completes (may be empty while a multi-byte
+    character or a possible stop string is held back) and, if asked, logprobs."""
+
+    token_id: int
+    text: str
+    time: float
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of a finished request, and the most KV it held at once."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    peak_kv_blocks: int
+    peak_kv_bytes: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    """The last event of a request. ``finish_reason``: "stop" (EOS or a stop string), "length"
+    (max_tokens), "cancelled", or "error" (then ``error`` says why)."""
+
+    finish_reason: str
+    usage: Usage
+    time: float
+    text: str = ""  # text released at the end (held back for a stop string that did not match)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A frozen snapshot of the engine's counters."""
+
+    alive: bool
+    ready: bool
+    draining: bool
+    running: int
+    waiting: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    requests_finished_total: dict[str, int]
+    rejections_total: dict[str, int]
+    blocks_promised: int
+    kv_bytes_per_block: int
