@@ -1,0 +1,256 @@
+"""The engine on real MLX: batching, admission, cancellation, sampling, failure, shutdown."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from tests.engine.conftest import wait_idle
+from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.types import (
+    EngineNotReadyError,
+    FinishEvent,
+    GenerationRequest,
+    QueueFullError,
+    RequestTooLargeError,
+    SamplingParams,
+    TokenEvent,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def prompts(engine: Engine, n: int) -> list[list[int]]:
+    words = ["hello world", "tell me a story", "what is the answer", "write python code"]
+    return [
+        engine.tokenizer.encode(f"{words[i % 4]} number {i}" + " and more" * (i % 5))
+        for i in range(n)
+    ]
+
+
+def request(tokens, max_tokens=24, sampling=GREEDY, **kw) -> GenerationRequest:
+    return GenerationRequest(tuple(tokens), max_tokens, sampling, **kw)
+
+
+def token_ids(handle) -> list[int]:
+    tokens, finish = handle.collect(60)
+    assert isinstance(finish, FinishEvent)
+    return [t.token_id for t in tokens]
+
+
+def test_concurrent_greedy_requests_match_mlx_lm_batch_generate(engine, default_model):
+    from mlx_lm import batch_generate
+
+    model, tokenizer = default_model
+    model.set_dtype(mx.float32)  # the engine runs float32 on a CPU ("auto")
+    ps = prompts(engine, 6)
+    handles = [engine.submit(request(p, max_tokens=20 + i)) for i, p in enumerate(ps)]
+    ours = [token_ids(h) for h in handles]
+    stock = batch_generate(
+        model, tokenizer, ps, max_tokens=[20 + i for i in range(6)], return_token_ids=True
+    ).token_ids
+    assert ours == stock
+    assert all(h.finish.finish_reason == "length" for h in handles)
+    usage = handles[0].finish.usage
+    assert usage.prompt_tokens == len(ps[0]) and usage.completion_tokens == 20
+    assert usage.peak_kv_blocks > 0
+    assert usage.peak_kv_bytes == usage.peak_kv_blocks * engine.kv_bytes_per_block
+
+
+def test_a_request_alone_and_in_a_batch_agree_greedily(engine):
+    ps = prompts(engine, 8)
+    alone = token_ids(engine.submit(request(ps[3], max_tokens=30)))
+    batch = [engine.submit(request(p, max_tokens=30)) for p in ps]
+    assert token_ids(batch[3]) == alone
+    for h in batch[:3] + batch[4:]:
+        h.collect(60)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_8(engine):
+    ps = prompts(engine, 8)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = token_ids(engine.submit(request(ps[0], 30, seeded)))
+    again = token_ids(engine.submit(request(ps[0], 30, seeded)))
+    assert alone == again
+    batch = [engine.submit(request(ps[0], 30, seeded))]
+    batch += [
+        engine.submit(request(p, 30, SamplingParams(temperature=1.0, seed=i)))
+        for i, p in enumerate(ps[1:])
+    ]
+    assert token_ids(batch[0]) == alone
+    for h in batch[1:]:
+        h.collect(60)
+    other_seed = token_ids(engine.submit(request(ps[0], 30, SamplingParams(0.9, 0.95, 50, seed=7))))
+    assert other_seed != alone
+
+
+def test_stop_strings_are_matched_across_tokens_and_never_emitted(engine):
+    p = prompts(engine, 1)[0]
+    full = engine.submit(request(p, max_tokens=40)).text(60)
+    assert len(full) > 12
+    stop = full[5:9]  # spans token boundaries in general
+    handle = engine.submit(request(p, max_tokens=40, stop=(stop,)))
+    text = handle.text(60)
+    assert text == full[: full.index(stop)]
+    assert handle.finish.finish_reason == "stop"
+    never = engine.submit(request(p, max_tokens=40, stop=("\x00never\x00",)))
+    assert never.text(60) == full and never.finish.finish_reason == "length"
+
+
+def test_logprobs_are_reported_when_asked(engine):
+    p = prompts(engine, 1)[0]
+    tokens, _ = engine.submit(request(p, 5, logprobs=True, top_logprobs=3)).collect(60)
+    for t in tokens:
+        assert t.logprob is not None and t.logprob <= 0.0
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0][0] == t.token_id  # greedy: the sampled token is the top one
+        assert [lp for _, lp in t.top_logprobs] == sorted(
+            (lp for _, lp in t.top_logprobs), reverse=True
+        )
+    tokens, _ = engine.submit(request(p, 3)).collect(60)
+    assert all(t.logprob is None for t in tokens)
+
+
+def test_too_large_requests_are_rejected_before_any_allocation(make_engine):
+    engine = make_engine(n_blocks=400)
+    with pytest.raises(RequestTooLargeError, match="context window"):
+        engine.submit(request([1] * 2000, max_tokens=100))
+    with pytest.raises(RequestTooLargeError, match="whole pool"):
+        engine.submit(request([1] * 10, max_tokens=1500))
+    assert engine.pool.stats.n_allocations == 0
+    assert engine.stats().rejections_total == {"too_large": 2}
+
+
+def test_tiny_pool_serves_everything_in_order_and_bounds_the_queue(make_engine):
+    # 4 layers x ceil((40 + 255) / 16) = 76 blocks per stream per row: room for 2 rows at once
+    engine = make_engine(n_blocks=2 * 160, max_queue=6)
+    ps = prompts(engine, 8)
+    handles, rejected = [], 0
+    for p in ps:
+        try:
+            handles.append(engine.submit(request(p[:10], max_tokens=30)))
+        except QueueFullError:
+            rejected += 1
+    assert rejected >= 1 and engine.stats().rejections_total.get("queue_full") == rejected
+    first_token_at: dict[int, float] = {}
+
+    def watch(h):
+        tokens, _ = h.collect(120)
+        first_token_at[h.request_id] = tokens[0].time
+
+    threads = [threading.Thread(target=watch, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    max_running = 0
+    while any(t.is_alive() for t in threads):
+        max_running = max(max_running, engine.stats().running)
+        engine.pool.check_invariants()
+        time.sleep(0.002)
+    assert all(h.finish.finish_reason == "length" for h in handles)
+    assert max_running <= 2
+    starts = [first_token_at[h.request_id] for h in handles]
+    assert starts == sorted(starts)  # FIFO: nobody overtook an earlier request
+    assert engine.pool.stats.n_exhausted == 0  # admission, not exhaustion, bounded the batch
+
+
+def test_cancel_frees_blocks_whether_queued_prefilling_or_decoding(make_engine):
+    # rows need 4 x ceil((700 + 255) / 16) = 240 blocks per stream: two fit in 600, not three
+    engine = make_engine(n_blocks=2 * 600, prefill_step=16)
+    ps = prompts(engine, 3)
+    long_prompt = ps[0] * 40  # several prefill chunks
+    decoding = engine.submit(request(ps[1], max_tokens=700 - len(ps[1])))
+    prefilling = engine.submit(request(long_prompt[:200], max_tokens=20))
+    queued = engine.submit(request(ps[2], max_tokens=20))
+    next(e for e in decoding.events(30) if isinstance(e, TokenEvent))
+    assert engine.stats().waiting == 1 and engine.stats().running == 2
+    for h in (queued, prefilling, decoding):
+        engine.cancel(h)
+    for h in (queued, prefilling, decoding):
+        _, finish = h.collect(30)
+        assert finish.finish_reason == "cancelled"
+        assert engine.pool.n_blocks_for(h.request_id) == 0
+    wait_idle(engine)
+
+
+def test_random_cancels_under_load_leak_nothing(make_engine):
+    engine = make_engine(n_blocks=2 * 400, max_queue=64)
+    rng = random.Random(5)
+    handles = [
+        engine.submit(request(p[: rng.randint(3, 12)], max_tokens=rng.randint(5, 60)))
+        for p in prompts(engine, 24)
+    ]
+    for h in rng.sample(handles, 10):
+        time.sleep(rng.random() * 0.02)
+        engine.cancel(h)
+    reasons = {h.collect(60)[1].finish_reason for h in handles}
+    assert reasons <= {"cancelled", "length", "stop"} and "cancelled" in reasons
+    wait_idle(engine)
+    engine.pool.check_invariants()
+
+
+def test_shrink_never_takes_promised_blocks(make_engine):
+    engine = make_engine(n_blocks=2 * 400)
+    p = prompts(engine, 1)[0]
+    h = engine.submit(request(p, max_tokens=200))
+    next(e for e in h.events(30) if isinstance(e, TokenEvent))
+    retired = engine.shrink("kv", 0)
+    stats = engine.pool.stats
+    assert retired > 0
+    assert engine.pool.n_total("k") >= engine.stats().blocks_promised
+    _, finish = h.collect(60)
+    assert finish.finish_reason == "length" and engine.pool.stats.n_exhausted == 0
+    assert stats.n_retired == retired
+    with pytest.raises(ValueError):
+        engine.shrink("x", 0)
+
+
+def test_engine_death_fails_every_request_cleanly(make_engine):
+    calls = {"n": 0}
+
+    def fault():
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("injected fault")
+
+    engine = make_engine(n_blocks=2 * 400, step_hook=fault, max_running=2)
+    handles = [engine.submit(request(p, max_tokens=50)) for p in prompts(engine, 4)]
+    for h in handles:
+        _, finish = h.collect(30)
+        assert finish.finish_reason == "error" and "injected fault" in finish.error
+    deadline = time.monotonic() + 10
+    while engine.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.alive and not engine.ready
+    with pytest.raises(EngineNotReadyError):
+        engine.submit(request([1, 2, 3]))
+    assert engine.pool.stats.blocks_in_use() == 0
+
+
+def test_shutdown_drains_running_and_cancels_waiting(make_engine):
+    engine = make_engine(n_blocks=2 * 160)
+    ps = prompts(engine, 4)
+    handles = [engine.submit(request(p[:8], max_tokens=20)) for p in ps]
+    time.sleep(0.02)
+    engine.shutdown(drain_timeout=30)
+    reasons = [h.collect(5)[1].finish_reason for h in handles]
+    assert set(reasons) <= {"length", "cancelled"} and reasons[0] == "length"
+    assert not engine.alive
+    with pytest.raises(EngineNotReadyError):
+        engine.submit(request(ps[0]))
+
+
+def test_stats_are_a_frozen_snapshot(engine):
+    before = engine.stats()
+    engine.submit(request(prompts(engine, 1)[0], max_tokens=4)).collect(30)
+    after = engine.stats()
+    assert after.generated_tokens_total == before.generated_tokens_total + 4
+    assert (
+        after.requests_finished_total.get("length", 0)
+        == before.requests_finished_total.get("length", 0) + 1
+    )
+    with pytest.raises(AttributeError):
+        after.running = 3  # type: ignore[misc]
