@@ -238,6 +238,7 @@ class Engine:
 
     _n_running = 0  # mirrored under the lock for stats()
     _promised = 0
+    _changed = False  # engine thread: the running set changed since the last _publish
 
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
         future: Future[Any] = Future()
@@ -321,40 +322,53 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while (
-                    not self._waiting
-                    and not self._running
-                    and not self._cancels
-                    and not self._commands
-                    and not self._draining
-                ):
-                    self._lock.wait()
-                cancels, self._cancels = self._cancels, set()
-                commands = list(self._commands)
-                self._commands.clear()
-                draining, deadline = self._draining, self._drain_deadline
-            for fn, future in commands:
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:
-                    future.set_exception(exc)
-            self._apply_cancels(cancels)
-            if draining:
-                self._cancel_waiting("the server is shutting down")
-                if not self._running:
+            # Fast path while decoding: no lock unless something is pending (reads of these
+            # containers without the lock are safe in CPython; the lock is taken to act on them).
+            pending = self._cancels or self._commands or self._draining or self._waiting
+            if pending or not self._running:
+                self._housekeeping_or_wait()
+                if self._draining and self._finish_draining():
                     return
-                if deadline is not None and time.monotonic() >= deadline:
-                    for uid in list(self._running):
-                        self._finish(uid, "cancelled", error=None)
-                    return
-            else:
-                self._admit()
             if self._running:
                 if self._step_hook is not None:
                     self._step_hook()
                 self._step()
-            self._publish()
+            if self._changed:
+                self._publish()
+
+    def _housekeeping_or_wait(self) -> None:
+        with self._lock:
+            while (
+                not self._waiting
+                and not self._running
+                and not self._cancels
+                and not self._commands
+                and not self._draining
+            ):
+                self._lock.wait()
+            cancels, self._cancels = self._cancels, set()
+            commands = list(self._commands)
+            self._commands.clear()
+        for fn, future in commands:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+        self._apply_cancels(cancels)
+        if not self._draining:
+            self._admit()
+
+    def _finish_draining(self) -> bool:
+        """While draining: cancel the waiting, and past the deadline the running. True: done."""
+        self._cancel_waiting("the server is shutting down")
+        if not self._running:
+            return True
+        deadline = self._drain_deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            for uid in list(self._running):
+                self._finish(uid, "cancelled", error=None)
+            return True
+        return False
 
     def _publish(self) -> None:
         promised = (
@@ -366,7 +380,7 @@ class Engine:
 
     def _admit(self) -> None:
         assert self._admission is not None and self.pool is not None
-        while len(self._running) < self.config.max_running:
+        while self._waiting and len(self._running) < self.config.max_running:
             with self._lock:
                 if not self._waiting:
                     return
@@ -396,6 +410,7 @@ class Engine:
             self.pool.free_all(owner)
             raise
         self._running[uid] = Running(handle, self.tokenizer, end)
+        self._changed = True
 
     def _step(self) -> None:
         assert self.pool is not None
@@ -408,7 +423,9 @@ class Engine:
             if run is None:
                 continue
             n_tokens += 1
-            run.peak_blocks = max(run.peak_blocks, self.pool.n_blocks_for(run.handle.request_id))
+            if run.n_generated % 16 == 0 or r.finish_reason is not None:  # growth is in chunks
+                blocks = self.pool.n_blocks_for(run.handle.request_id)
+                run.peak_blocks = max(run.peak_blocks, blocks)
             if r.finish_reason == "stop":  # EOS: not part of the text
                 finished.append((r.uid, "stop"))
                 continue
@@ -428,6 +445,7 @@ class Engine:
         """End a running request: out of the batch, blocks back, FinishEvent. Exactly once."""
         assert self.pool is not None
         run = self._running.pop(uid)
+        self._changed = True
         try:
             self._generator.remove([uid])  # a no-op once BatchGenerator dropped it itself
         finally:

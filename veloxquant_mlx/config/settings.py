@@ -1,0 +1,110 @@
+"""Server settings from ``VQ_*`` environment variables and ``--flags`` of the same names."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Built once at the entry point, passed down.
+
+    Each field is ``--kebab-case`` on the command line and ``VQ_UPPER_CASE`` in the
+    environment (the command line wins).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="VQ_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="veloxquant-serve",
+        extra="forbid",
+    )
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port).")
+    model: str | None = Field(
+        None, description="Local mlx_lm model directory; the embedded tiny model when unset."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id in the API (default: the model directory's name)."
+    )
+    model_cache_dir: str | None = Field(
+        None,
+        description="Where the embedded default model is made (default ~/.cache/veloxquant-mlx).",
+    )
+    dtype: Literal["auto", "model", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights dtype; auto = float32 on a CPU, as stored on a GPU."
+    )
+    block_size: int = Field(16, ge=1, le=4096, description="Token slots per KV block.")
+    kv_cache_mb: float | None = Field(
+        256.0, gt=0, description="KV memory budget in MiB (ignored when --n-blocks is set)."
+    )
+    n_blocks: int | None = Field(None, ge=1, description="Pool size in blocks (K + V).")
+    separate_kv: bool = Field(True, description="Separate K and V free lists.")
+    grow_on_exhaustion: bool = Field(False, description="Let the pool grow up to --max-blocks.")
+    max_blocks: int | None = Field(None, ge=1, description="Cap on blocks when growing.")
+    max_running: int = Field(32, ge=1, le=1024, description="Requests decoded together at most.")
+    max_queue: int = Field(256, ge=0, description="Requests waiting at most (then 429).")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
+    prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
+    admin_key: str | None = Field(
+        None, description="Bearer key for /admin (random, printed once, when unset)."
+    )
+    api_key: str | None = Field(None, description="Bearer key required on /v1 when set.")
+    cors_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed by CORS on /v1 (never on /admin)."
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="Seconds running requests may finish after SIGTERM."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    blas: str = Field("auto", description="auto | off | PATH: optimized BLAS for MLX on Linux.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.n_blocks is None and self.kv_cache_mb is None:
+            raise ValueError("set --kv-cache-mb or --n-blocks")
+        if self.max_blocks is not None and self.grow_on_exhaustion:
+            floor = self.n_blocks or 0
+            if self.max_blocks < floor:
+                raise ValueError("--max-blocks must be >= --n-blocks")
+        for name in ("admin_key", "api_key"):
+            value = getattr(self, name)
+            if value is not None and len(value) < 8:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 8 characters")
+        return self
+
+    def with_admin_key(self) -> tuple[Settings, bool]:
+        """These settings with an admin key (a random one if unset) and whether it was made."""
+        if self.admin_key:
+            return self, False
+        return self.model_copy(update={"admin_key": secrets.token_urlsafe(24)}), True
+
+
+class SettingsError(SystemExit):
+    """Invalid settings: carries the one-line message the CLI prints before exiting 2."""
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Settings from the environment and ``argv`` (the process's arguments when None).
+
+    Raises:
+        SettingsError: With a one-line message naming each invalid setting.
+    """
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return Settings(_cli_parse_args=args)  # type: ignore[call-arg]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise SettingsError(f"veloxquant-serve: invalid settings: {problems}") from None
