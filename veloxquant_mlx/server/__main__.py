@@ -1,0 +1,3 @@
+from veloxquant_mlx.server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""The FastAPI application: wiring only (lifespan, middleware, error mapping, routers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from veloxquant_mlx import __version__
+from veloxquant_mlx.config import Settings
+from veloxquant_mlx.engine.engine import Engine, EngineConfig
+from veloxquant_mlx.server import errors, routes_openai, routes_ops
+from veloxquant_mlx.server.deps import AppState
+from veloxquant_mlx.server.metrics import Metrics
+from veloxquant_mlx.server.middleware import BodyLimit, CORSExceptAdmin
+
+log = logging.getLogger("veloxquant.server")
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        model=settings.model,
+        model_cache_dir=settings.model_cache_dir,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        kv_cache_mb=settings.kv_cache_mb,
+        n_blocks=settings.n_blocks,
+        separate_kv=settings.separate_kv,
+        grow_on_exhaustion=settings.grow_on_exhaustion,
+        max_blocks=settings.max_blocks,
+        max_running=settings.max_running,
+        max_queue=settings.max_queue,
+        prefill_step=settings.prefill_step,
+    )
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+    """The app for ``settings``. The lifespan starts the engine (or adopts ``engine``, already
+    started, for tests) and shuts it down with ``settings.drain_timeout``."""
+    settings, generated = settings.with_admin_key()
+    if generated:
+        log.warning("no admin key set; generated one for this process: %s", settings.admin_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own = engine is None
+        eng = Engine(engine_config(settings)).start() if own else engine
+        assert eng is not None
+        await asyncio.to_thread(eng.wait_ready)
+        name = settings.served_model_name or eng.model_name
+        app.state.vq = AppState(settings, eng, Metrics(eng, name), name)
+        log.info("serving %s on the block pool (%s)", name, eng.pool)
+        try:
+            yield
+        finally:
+            app.state.vq.draining = True
+            if own:
+                await asyncio.to_thread(eng.shutdown, settings.drain_timeout)
+
+    app = FastAPI(
+        title="veloxquant-mlx serve",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    errors.install(app)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_ops.router)
+    app.include_router(routes_ops.admin)
+    if settings.cors_origins:
+        app.add_middleware(CORSExceptAdmin, origins=settings.cors_origins)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

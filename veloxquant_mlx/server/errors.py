@@ -1,0 +1,117 @@
+"""OpenAI-shaped errors and the one place HTTP statuses are decided."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from veloxquant_mlx.engine.types import (
+    EngineNotReadyError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+
+log = logging.getLogger("veloxquant.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's shape with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None):
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(err.status, err.message, err.code, err.param),
+        status_code=err.status,
+        headers=err.headers,
+    )
+
+
+def from_engine(exc: Exception) -> APIError:
+    """The HTTP answer to an engine error."""
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestTooLargeError):
+        return APIError(400, str(exc), code="context_length_exceeded", param="max_tokens")
+    if isinstance(exc, EngineNotReadyError):
+        return APIError(503, str(exc), code="not_ready", headers={"Retry-After": "5"})
+    raise exc
+
+
+def _describe(errors: list[Any]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def install(app: FastAPI) -> None:
+    """Map every failure to OpenAI's error shape: 400 for validation (never 422)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe(list(exc.errors()))
+        return error_response(APIError(400, message, code="invalid_value", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        if status == 404:
+            message = "no such endpoint"
+        elif status == 405:
+            message = "method not allowed on this endpoint"
+        else:
+            message = str(exc.detail)
+        return error_response(APIError(status, message, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "internal server error", code="internal_error"))

@@ -1,0 +1,128 @@
+"""Running one API request through the engine: prompt to tokens, events to OpenAI JSON/SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.metrics import Metrics
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a finished request produced."""
+
+    text: str = ""
+    tokens: list[TokenEvent] = field(default_factory=list)
+    finish: FinishEvent | None = None
+
+
+def usage_json(finish: FinishEvent) -> dict[str, int]:
+    u = finish.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "peak_kv_blocks": u.peak_kv_blocks,
+        "peak_kv_bytes": u.peak_kv_bytes,
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def _watch_disconnect(request: Request, engine: Engine, handle: RequestHandle) -> None:
+    while not handle.done:
+        if await request.is_disconnected():
+            engine.cancel(handle)
+            return
+        await asyncio.sleep(0.05)
+
+
+async def collect(
+    request: Request, engine: Engine, handle: RequestHandle, metrics: Metrics, arrived: float
+) -> Outcome:
+    """Wait for the whole result; a client that disconnects cancels the request."""
+    outcome = Outcome()
+    watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
+    try:
+        async for event in handle:
+            if isinstance(event, TokenEvent):
+                outcome.tokens.append(event)
+                outcome.text += event.text
+            else:
+                outcome.finish = event
+                outcome.text += event.text
+    finally:
+        watcher.cancel()
+        if not handle.done:  # this coroutine was cancelled: the client is gone
+            engine.cancel(handle)
+    assert outcome.finish is not None
+    metrics.observe(arrived, [t.time for t in outcome.tokens], outcome.finish.time)
+    if outcome.finish.finish_reason == "error":
+        raise APIError(503, f"generation failed: {outcome.finish.error}", code="engine_error")
+    return outcome
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def stream_events(
+    engine: Engine,
+    handle: RequestHandle,
+    metrics: Metrics,
+    arrived: float,
+    chunk: Any,
+    include_usage: bool,
+    usage_chunk: Any,
+) -> AsyncIterator[bytes]:
+    """SSE bytes: ``chunk(event)`` per event, then usage if asked, then ``[DONE]``.
+
+    If the client goes away, Starlette cancels this generator and the request is cancelled.
+    """
+    times: list[float] = []
+    finish: FinishEvent | None = None
+    try:
+        async for event in handle:
+            if isinstance(event, TokenEvent):
+                times.append(event.time)
+                if event.text or event.logprob is not None:
+                    yield sse(chunk(event))
+            else:
+                finish = event
+        assert finish is not None
+        if finish.finish_reason == "error":
+            yield sse(
+                {
+                    "error": {
+                        "message": f"generation failed: {finish.error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_error",
+                    }
+                }
+            )
+        else:
+            yield sse(chunk(finish))
+            if include_usage:
+                yield sse(usage_chunk(finish))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not handle.done:
+            engine.cancel(handle)
+        with contextlib.suppress(Exception):
+            metrics.observe(arrived, times, finish.time if finish else time.monotonic())

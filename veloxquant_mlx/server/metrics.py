@@ -1,0 +1,162 @@
+"""/metrics: request histograms and counters, live engine and pool state, one app registry."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from veloxquant_mlx.engine.engine import Engine
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class EngineCollector(Collector):
+    """Reads the engine and its pool at scrape time (gauges are never set by hand)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        stats = engine.stats()
+        info = GaugeMetricFamily(
+            "veloxquant_build_info",
+            "Build and runtime facts (value is always 1).",
+            labels=["version", "model", "blas", "mlx_device"],
+        )
+        from veloxquant_mlx import __version__
+
+        info.add_metric([__version__, self.model_name, engine.blas, _device()], 1)
+        yield info
+        yield _gauge("veloxquant_engine_alive", "1 while the engine thread runs.", stats.alive)
+        yield _gauge(
+            "veloxquant_engine_ready",
+            "1 when serving (loaded, not draining).",
+            stats.ready and not stats.draining,
+        )
+        yield _gauge("veloxquant_requests_running", "Requests being decoded.", stats.running)
+        yield _gauge("veloxquant_requests_waiting", "Requests queued for admission.", stats.waiting)
+        yield _counter(
+            "veloxquant_prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens_total
+        )
+        yield _counter(
+            "veloxquant_generation_tokens", "Tokens generated.", stats.generated_tokens_total
+        )
+        finished = CounterMetricFamily(
+            "veloxquant_requests_finished", "Requests finished, by reason.", labels=["reason"]
+        )
+        for reason in ("stop", "length", "cancelled", "error"):
+            finished.add_metric([reason], stats.requests_finished_total.get(reason, 0))
+        yield finished
+        rejected = CounterMetricFamily(
+            "veloxquant_requests_rejected",
+            "Requests refused at submit, by reason.",
+            labels=["reason"],
+        )
+        for reason in ("queue_full", "too_large", "not_ready"):
+            rejected.add_metric([reason], stats.rejections_total.get(reason, 0))
+        yield rejected
+        pool = engine.pool
+        if pool is not None:
+            pstats = pool.stats
+            per_block = stats.kv_bytes_per_block
+            yield _gauge("veloxquant_kv_bytes_per_block", "Bytes behind one KV block.", per_block)
+            yield _gauge(
+                "veloxquant_kv_cache_used_bytes",
+                "KV bytes checked out to requests.",
+                pstats.blocks_in_use() * per_block,
+            )
+            yield _gauge(
+                "veloxquant_kv_cache_capacity_bytes",
+                "KV bytes the pool manages.",
+                pstats.n_blocks * per_block,
+            )
+            yield _gauge(
+                "veloxquant_kv_blocks_promised",
+                "Blocks per stream running requests may still need.",
+                stats.blocks_promised,
+            )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _device() -> str:
+    import mlx.core as mx  # device name only: no computation
+
+    return str(mx.default_device())
+
+
+def _gauge(name: str, doc: str, value: float | bool) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """The app's registry: request latency histograms plus the live collector."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine = engine
+        self.ttft = Histogram(
+            "veloxquant_time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "veloxquant_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "veloxquant_request_duration_seconds",
+            "Time from request arrival to its last event.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine, model_name))
+
+    def observe(self, arrived: float, token_times: list[float], finished: float) -> None:
+        if token_times:
+            self.ttft.observe(max(0.0, token_times[0] - arrived))
+            for a, b in itertools.pairwise(token_times):
+                self.itl.observe(max(0.0, b - a))
+        self.e2e.observe(max(0.0, finished - arrived))
+
+    def render(self) -> bytes:
+        text = generate_latest(self.registry)
+        pool = self.engine.pool
+        if pool is not None:
+            text += pool.stats.to_prometheus().encode()
+        return text
+
+
+def as_dict(stats: Any) -> dict[str, Any]:
+    """AllocationStats as plain JSON values (admin view)."""
+    return {
+        "n_blocks": stats.n_blocks,
+        "blocks_in_use": stats.blocks_in_use(),
+        "blocks_free": dict(stats._free_by_stream),
+        "peak_blocks_in_use": stats.peak_blocks_in_use,
+        "fragmentation": stats.fragmentation(),
+        "n_allocations": stats.n_allocations,
+        "n_frees": stats.n_frees,
+        "n_reused": stats.n_reused,
+        "n_exhausted": stats.n_exhausted,
+        "n_grown": stats.n_grown,
+        "n_retired": stats.n_retired,
+    }

@@ -1,0 +1,70 @@
+"""GET /health, GET /ready, GET /metrics, and the admin pool endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from veloxquant_mlx.engine.types import EngineError
+from veloxquant_mlx.server.deps import require_admin_key, state
+from veloxquant_mlx.server.errors import APIError, error_body, from_engine
+from veloxquant_mlx.server.metrics import as_dict
+from veloxquant_mlx.server.schemas import ShrinkRequest
+
+router = APIRouter()
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_key)])
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", response_model=None)
+async def ready(request: Request) -> Any:
+    st = getattr(request.app.state, "vq", None)
+    if st is None or st.draining or not st.engine.ready or st.engine.draining:
+        why = "draining" if st is not None and (st.draining or st.engine.draining) else "not ready"
+        return JSONResponse(error_body(503, f"the server is {why}", "not_ready"), status_code=503)
+    return {"status": "ready", "model": st.model_name}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = state(request)
+    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _pool_view(request: Request) -> dict[str, Any]:
+    st = state(request)
+    pool = st.engine.pool
+    if pool is None:
+        raise APIError(503, "the engine is not ready", code="not_ready")
+    return {
+        "block_size": pool.config.block_size,
+        "separate_kv": pool.config.separate_kv,
+        "kv_bytes_per_block": st.engine.kv_bytes_per_block,
+        "blocks_promised": st.engine.stats().blocks_promised,
+        "stats": as_dict(pool.stats),
+        "streams": {s: {"free": pool.n_free(s), "total": pool.n_total(s)} for s in pool.streams},
+        "owners": {str(owner): n for owner, n in pool.owner_block_counts().items()},
+    }
+
+
+@admin.get("/pool")
+async def pool_view(request: Request) -> dict[str, Any]:
+    return _pool_view(request)
+
+
+@admin.post("/pool/shrink")
+async def pool_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
+    st = state(request)
+    try:
+        # engine.shrink waits for the engine thread to do it between steps (no MLX here)
+        retired = await asyncio.to_thread(st.engine.shrink, body.stream, body.target_free)
+    except EngineError as exc:
+        raise from_engine(exc) from None
+    return {"retired": retired, **_pool_view(request)}
