@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -72,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 threading.Thread(
                     target=state.engine.shutdown, args=(settings.drain_timeout,), daemon=True
                 ).start()
-            super().handle_exit(sig, frame)
+            # As uvicorn's, minus re-raising the signal at exit: a drained stop exits 0.
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
 
     config = uvicorn.Config(
         app,

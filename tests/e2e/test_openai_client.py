@@ -1,0 +1,188 @@
+"""The official openai client against a real server process on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import ADMIN, MODEL, start_server, stop_server
+
+pytestmark = pytest.mark.usefixtures("pool_free_after")
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion(oai):
+    r = oai.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens > 0
+    assert r.usage.model_extra["peak_kv_blocks"] > 0
+
+
+def test_chat_completion(oai):
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi there"}], max_tokens=6, seed=3
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6
+
+
+def test_streaming_completion_matches_non_streaming(oai):
+    plain = oai.completions.create(model=MODEL, prompt="tell me", max_tokens=12, temperature=0)
+    stream = oai.completions.create(
+        model=MODEL,
+        prompt="tell me",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_streaming_chat(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=8,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_errors_surface_as_the_right_exception_types(oai):
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, n=3)
+
+
+def test_concurrent_requests(oai):
+    def one(i):
+        return oai.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=16)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    assert all(r.usage.completion_tokens == 16 for r in results)
+
+
+def test_disconnect_mid_stream_frees_blocks(server, oai):
+    stream = oai.completions.create(model=MODEL, prompt="go on", max_tokens=1500, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    assert server.admin()["stats"]["blocks_in_use"] > 0
+    stream.close()  # the client hangs up
+    server.wait_pool_free(timeout=10)
+
+
+def test_non_streaming_client_timeout_frees_blocks(server):
+    short = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        short.completions.create(model=MODEL, prompt="long one", max_tokens=1800)
+    server.wait_pool_free(timeout=10)
+
+
+def test_metrics_parse_and_gauges_return_to_zero(server, oai):
+    oai.completions.create(model=MODEL, prompt="metrics", max_tokens=4)
+    server.wait_pool_free()
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "veloxquant_requests_running",
+        "veloxquant_requests_waiting",
+        "veloxquant_kv_cache_used_bytes",
+        "veloxquant_block_pool_blocks_in_use",
+    ):
+        assert fams[name].samples[0].value == 0, name
+    assert fams["veloxquant_request_duration_seconds"].type == "histogram"
+
+
+def test_admin_shrink_with_and_without_key(server):
+    url = f"{server.base_url}/admin/pool/shrink"
+    body = {"stream": "kv", "target_free": 2900}
+    assert httpx.post(url, json=body, timeout=10).status_code == 401
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert r.status_code == 200 and r.json()["retired"] == 200
+
+
+def test_shrink_under_load_never_touches_running_requests(server, oai):
+    errors: list[BaseException] = []
+
+    def load():
+        try:
+            for i in range(4):
+                oai.completions.create(model=MODEL, prompt=f"load {i}", max_tokens=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    for target in (2000, 1000, 0):
+        time.sleep(0.2)
+        r = httpx.post(
+            f"{server.base_url}/admin/pool/shrink",
+            json={"stream": "kv", "target_free": target},
+            headers=auth,
+            timeout=30,
+        )
+        assert r.status_code == 200
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert server.admin()["stats"]["n_exhausted"] == 0
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path, default_model_dir):
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(tmp_path, "--n-blocks", "2000", "--drain-timeout", "20")
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+    result: dict = {}
+
+    def slow():
+        result["r"] = client.completions.create(model=MODEL, prompt="drain me", max_tokens=300)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.5)
+    assert stop_server(srv) == 0, srv.log()
+    t.join(30)
+    assert result["r"].choices[0].finish_reason == "length"  # finished, not cut off
+    assert "draining" in srv.log()
+
+
+def test_invalid_settings_fail_at_start_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--port", "70000", "--max-running", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "port" in lines[0] and "max_running" in lines[0]
