@@ -4,16 +4,22 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps test lint typecheck pytest bench clean
+.PHONY: install system-deps run test lint typecheck pytest bench loadtest compare clean
 
-# An optimized BLAS makes MLX's CPU matmuls 5-50x faster on Linux (see README, "Linux CPU speed").
+ARGS ?=
+
+# An optimized BLAS makes MLX's CPU matmuls 5-50x faster on Linux (see README, "Linux CPU speed");
+# promtool (Debian's prometheus package) lets the tests check /metrics the way Prometheus does.
 # Installed where the platform allows it (Debian/Ubuntu as root); elsewhere skipped.
+SYSTEM_PACKAGES := libopenblas0-pthread prometheus
 system-deps:
 	@if [ "$$(uname)" = Linux ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
-	    && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
-	  echo "installing libopenblas0-pthread"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread) \
-	    >/dev/null 2>&1 || echo "could not install libopenblas0-pthread: MLX keeps its bundled BLAS"; \
+	    && { ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
+	         || ! command -v promtool >/dev/null 2>&1; }; then \
+	  echo "installing $(SYSTEM_PACKAGES)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	     --no-install-recommends $(SYSTEM_PACKAGES)) >/dev/null 2>&1 \
+	    || echo "could not install $(SYSTEM_PACKAGES): continuing without them"; \
 	fi
 
 $(STAMP): pyproject.toml
@@ -24,6 +30,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Serve the embedded default model on 127.0.0.1:8000 (ARGS="--model PATH ..." for others).
+run: $(STAMP)
+	$(VENV)/bin/veloxquant-serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check veloxquant_mlx tests benchmarks scripts

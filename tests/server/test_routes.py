@@ -223,6 +223,18 @@ async def test_metrics_parse_and_return_to_zero_when_idle(client):
         assert ":" not in name and name.startswith("veloxquant_")
 
 
+async def test_metrics_pass_promtool(client):
+    import shutil
+    import subprocess
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool not installed (make installs Debian's prometheus package as root)")
+    await client.post("/v1/completions", json=COMPLETION)
+    text = (await client.get("/metrics")).text
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 async def test_admin_needs_the_key(client):
     assert_openai_error(await client.get("/admin/pool"), 401)
     bad = {"Authorization": "Bearer wrong-key-here"}
