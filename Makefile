@@ -36,8 +36,8 @@ run: $(STAMP)
 	$(VENV)/bin/veloxquant-serve $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check veloxquant_mlx tests benchmarks scripts
-	$(VENV)/bin/ruff format --check veloxquant_mlx tests benchmarks scripts
+	$(VENV)/bin/ruff check veloxquant_mlx tests benchmarks scripts loadtest
+	$(VENV)/bin/ruff format --check veloxquant_mlx tests benchmarks scripts loadtest
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -51,6 +51,14 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.pool_bench
 	$(PY) -m benchmarks.cache_bench
 	$(PY) -m benchmarks.blas_bench
+
+# Load our server (start it first: make run) with a closed-loop sweep; ARGS to change it.
+loadtest: $(STAMP)
+	$(PY) -m loadtest --concurrency 1,8,32 --requests 64 $(ARGS)
+
+# Ours against mlx_lm.server on the same models, side by side (writes loadtest-compare.md).
+compare: $(STAMP)
+	$(PY) -m loadtest.compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -74,17 +74,22 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
-def _write_model(directory: Path) -> None:
+def write_model(directory: Path, config: dict | None = None, seed: int = SEED) -> None:
+    """Write a random-weight Llama (``CONFIG`` updated with ``config``) into ``directory``."""
+    _write_model(directory, {**CONFIG, **(config or {})}, seed)
+
+
+def _write_model(directory: Path, config: dict = CONFIG, seed: int = SEED) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    mx.random.seed(SEED)
-    args = llama.ModelArgs.from_dict(CONFIG)
+    mx.random.seed(seed)
+    args = llama.ModelArgs.from_dict(config)
     model = llama.Model(args)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {name: value.astype(mx.float32) for name, value in flat}
     mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copyfile(ASSETS / name, directory / name)

@@ -1,0 +1,186 @@
+"""``make compare``: our server against mlx_lm.server on the same local model, side by side.
+
+    python -m loadtest.compare [--models embedded,100m] [--concurrency 1,8,32] [--requests 64]
+
+Starts both servers on loopback (same model directory, same BLAS preload), runs the same
+closed-loop load on each at every concurrency (interleaved: ours, theirs), records peak resident
+memory of both processes, then a memory-pressure run on ours (offered KV well over its
+``--kv-cache-mb``), and prints one Markdown report (also written to ``--out``). Every process it
+starts is stopped by pid before it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from loadtest.__main__ import level, parse
+from veloxquant_mlx.blas import select
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+@contextmanager
+def server(cmd: list[str], port: int, env: dict[str, str], log: Path):
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0:3]} exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def model_dir(name: str, work: Path) -> Path:
+    if name == "embedded":
+        from veloxquant_mlx.engine.default_model import ensure_default_model
+
+        return ensure_default_model(work / "cache")
+    target = work / "model-100m"
+    subprocess.run([sys.executable, "scripts/make_random_model.py", str(target)], check=True)
+    return target
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="embedded,100m")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", default="32-64")
+    p.add_argument("--out", default="loadtest-compare.md")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
+    blas = select("auto")
+    if blas:  # both servers on the same BLAS
+        env["LD_PRELOAD"] = blas
+        env["VQ_BLAS_ACTIVE"] = blas
+    import mlx.core as mx
+    import mlx_lm
+
+    lines = [
+        f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores; Python "
+        f"{platform.python_version()}, MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}; "
+        f"BLAS {blas or 'bundled'}; both servers float32 weights.",
+        "",
+    ]
+    for name in args.models.split(","):
+        path = model_dir(name, work)
+        ours_port, theirs_port = free_port(), free_port()
+        ours_cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
+                    "--port", str(ours_port), "--admin-key", "compare-admin",
+                    "--kv-cache-mb", "512", "--max-running", "32"]  # fmt: skip
+        theirs_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path),
+                      "--port", str(theirs_port)]  # fmt: skip
+        ours_log, theirs_log = work / f"ours-{name}.log", work / f"theirs-{name}.log"
+        with server(ours_cmd, ours_port, env, ours_log) as ours, \
+                server(theirs_cmd, theirs_port, env, theirs_log) as theirs:  # fmt: skip
+            lt = parse([
+                "--url", f"http://127.0.0.1:{ours_port}",
+                "--compare", f"http://127.0.0.1:{theirs_port}",
+                "--concurrency", args.concurrency, "--requests", str(args.requests),
+                "--max-tokens", args.max_tokens, "--compare-model", str(path),
+            ])  # fmt: skip
+            rows = []
+            for c in (int(x) for x in args.concurrency.split(",")):
+                a = asyncio.run(level(lt, lt.url, None, c, f"ours c={c}"))
+                b = asyncio.run(level(lt, lt.compare, str(path), c, f"mlx_lm.server c={c}"))
+                rows.append((c, a, b))
+            rss = (peak_rss_mb(ours.pid), peak_rss_mb(theirs.pid))
+        lines.append(f"### {name} model (`{path.name}`)\n")
+        lines.append(
+            "| concurrency | ours tok/s | mlx_lm.server tok/s | ratio | ours TTFT p99 ms | "
+            "theirs TTFT p99 ms | ratio | errors ours/theirs | pool free after |"
+        )
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        for c, a, b in rows:
+            lines.append(
+                f"| {c} | {a.output_tokens_per_s:.1f} | {b.output_tokens_per_s:.1f} | "
+                f"{a.output_tokens_per_s / max(b.output_tokens_per_s, 1e-9):.2f} | "
+                f"{a.ttft_s['p99'] * 1e3:.0f} | {b.ttft_s['p99'] * 1e3:.0f} | "
+                f"{a.ttft_s['p99'] / max(b.ttft_s['p99'], 1e-9):.2f} | "
+                f"{sum(a.errors_by_status.values())}/{sum(b.errors_by_status.values())} | "
+                f"{'yes' if a.server.get('leak_free') else 'NO'} |"
+            )
+        lines.append(
+            f"\nPeak resident memory: ours {rss[0]:.0f} MiB, mlx_lm.server {rss[1]:.0f} MiB.\n"
+        )
+    lines += pressure(work, env)
+    report = "\n".join(lines)
+    Path(args.out).write_text(report + "\n")
+    print(report)
+
+
+def pressure(work: Path, env: dict[str, str]) -> list[str]:
+    """Offered KV well over the budget: everything served, KV within budget, 429 only at the
+    queue bound."""
+    from veloxquant_mlx.engine.default_model import ensure_default_model
+
+    path = ensure_default_model(work / "cache")
+    port = free_port()
+    cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port", str(port),
+           "--admin-key", "compare-admin", "--kv-cache-mb", "8", "--max-queue", "256"]  # fmt: skip
+    with server(cmd, port, env, work / "pressure.log") as proc:
+        lt = parse(["--url", f"http://127.0.0.1:{port}", "--requests", "96", "--concurrency", "48",
+                    "--max-tokens", "200-300", "--prompt-words", "100-200"])  # fmt: skip
+        s = asyncio.run(level(lt, lt.url, None, 48, "pressure c=48"))
+        rss = peak_rss_mb(proc.pid)
+    srv = s.server
+    per_block = srv.get("kv_capacity_bytes", 0) / max(srv.get("blocks_total", 1), 1)
+    # worst case offered at once: 48 rows of ~500 tokens, 4 layers, K and V, 256-slot growth
+    offered = 48 * 2 * 4 * ((500 + 255) // 16 + 1) * per_block
+    mib = 2**20
+    return [
+        "### Memory pressure (ours, `--kv-cache-mb 8`, 48 concurrent long requests)\n",
+        f"Served {s.ok}/{s.requests}, errors {s.errors_by_status or 'none'}; "
+        f"peak KV in use {srv.get('peak_kv_bytes', 0) / mib:.1f} MiB "
+        f"of {srv.get('kv_capacity_bytes', 0) / mib:.1f} MiB "
+        f"(offered at once, worst case: about {offered / mib:.0f} MiB); "
+        f"peak running {srv.get('peak_running', 0):.0f}, "
+        f"peak waiting {srv.get('peak_waiting', 0):.0f}; "
+        f"rejections {srv.get('rejections') or 'none'}; "
+        f"pool free after: {'yes' if srv.get('leak_free') else 'NO'}; peak RSS {rss:.0f} MiB.",
+    ]
+
+
+if __name__ == "__main__":
+    main()

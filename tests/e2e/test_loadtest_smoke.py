@@ -1,0 +1,45 @@
+"""A few seconds of real load from loadtest/: zero errors and the leak check must pass."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest.__main__ import main
+from loadtest.runner import check_loopback
+
+
+def test_smoke_run_has_no_errors_and_no_leak(server, tmp_path):
+    out = tmp_path / "result.json"
+    rc = main([
+        "--url", server.base_url, "--concurrency", "1,4", "--requests", "8",
+        "--max-tokens", "8-24", "--prompt-words", "4-32", "--duration", "60",
+        "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert [r["ok"] for r in results] == [8, 8]
+    for r in results:
+        assert r["errors_by_status"] == {}
+        assert r["output_tokens"] > 0 and r["ttft_s"]["p50"] > 0
+        assert r["server"]["leak_free"] is True and r["server"]["peak_blocks_in_use"] > 0
+    server.wait_pool_free()
+
+
+def test_chat_and_non_streaming_modes(server, tmp_path):
+    rc = main([
+        "--url", server.base_url, "--concurrency", "2", "--requests", "4", "--api", "chat",
+        "--no-stream", "--max-tokens", "4-8",
+    ])  # fmt: skip
+    assert rc == 0
+
+
+def test_targets_off_this_machine_are_refused():
+    check_loopback("http://127.0.0.1:8000")
+    check_loopback("http://localhost:1")
+    check_loopback("http://[::1]:8000")
+    with pytest.raises(SystemExit):
+        check_loopback("http://10.0.0.1:8000")
+    with pytest.raises(SystemExit):
+        check_loopback("http://example.com")
