@@ -50,6 +50,7 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(PY) -m benchmarks.pool_bench
 	$(PY) -m benchmarks.cache_bench
+	$(PY) -m benchmarks.engine_bench
 	$(PY) -m benchmarks.blas_bench
 
 # Load our server (start it first: make run) with a closed-loop sweep; ARGS to change it.

@@ -24,7 +24,7 @@ PROMPT, NEW = 64, 64
 def main() -> None:
     ensure_blas(os.environ.get("VQ_BLAS", "auto"))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
 
     import mlx.core as mx

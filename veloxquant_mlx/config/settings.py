@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(256, ge=0, description="Requests waiting at most (then 429).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
+    prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
     admin_key: str | None = Field(
         None, description="Bearer key for /admin (random, printed once, when unset)."
     )

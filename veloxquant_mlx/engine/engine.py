@@ -51,6 +51,7 @@ class EngineConfig:
     max_running: int = 32
     max_queue: int = 256
     prefill_step: int = 512
+    prefill_batch: int = 8
 
 
 @dataclass(slots=True)
@@ -305,7 +306,7 @@ class Engine:
             self._model,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=cfg.max_running,
-            prefill_batch_size=min(cfg.max_running, 8),
+            prefill_batch_size=min(cfg.max_running, cfg.prefill_batch),
             prefill_step_size=cfg.prefill_step,
         )
         mx.eval(mx.zeros(1))

@@ -34,6 +34,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_running=settings.max_running,
         max_queue=settings.max_queue,
         prefill_step=settings.prefill_step,
+        prefill_batch=settings.prefill_batch,
     )
 
 
