@@ -125,19 +125,11 @@ def ensure_blas(
     env = dict(os.environ)
     env["LD_PRELOAD"] = _preload_value(chosen, env.get("LD_PRELOAD", ""))
     env[ACTIVE_ENV] = chosen
-    # Leave a core to the Python threads (engine loop, event loop): with every core spinning in
-    # OpenBLAS, a 2-core machine decoded one request 25% slower (BENCHMARKS.md).
-    env.setdefault("OPENBLAS_NUM_THREADS", str(blas_threads()))
     args = list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, args, env)
     raise AssertionError("unreachable: execve returned")
-
-
-def blas_threads() -> int:
-    """OpenBLAS threads to ask for: every core but one (at least one)."""
-    return max(1, (os.cpu_count() or 2) - 1)
 
 
 def blas_in_use() -> str:

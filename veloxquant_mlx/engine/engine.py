@@ -14,12 +14,12 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.cache import build_pooled_caches
-from veloxquant_mlx.cache.pool_backed import default_step
 from veloxquant_mlx.engine import loader
+from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
-from veloxquant_mlx.engine.sizing import Admission, KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.engine.sizing import Admission, KVGeometry
 from veloxquant_mlx.engine.types import (
     EngineNotReadyError,
     EngineStats,
@@ -32,26 +32,9 @@ from veloxquant_mlx.engine.types import (
 )
 from veloxquant_mlx.pool import BlockPoolAllocator
 
+__all__ = ["Engine", "EngineConfig"]
+
 log = logging.getLogger("veloxquant.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """What the engine loads and how it batches; plain values from Settings."""
-
-    model: str | None = None  # None: the embedded default model
-    model_cache_dir: str | None = None
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_mb: float | None = 256.0
-    n_blocks: int | None = None
-    separate_kv: bool = True
-    grow_on_exhaustion: bool = False
-    max_blocks: int | None = None
-    max_running: int = 32
-    max_queue: int = 256
-    prefill_step: int = 512
-    prefill_batch: int = 8
 
 
 @dataclass(slots=True)
@@ -279,46 +262,13 @@ class Engine:
             self._stopped.set()
 
     def _load(self) -> None:
-        from mlx_lm.generate import BatchGenerator
-
-        from veloxquant_mlx.blas import blas_in_use
-
-        cfg = self.config
-        self._model, self.tokenizer, self.model_name = loader.load(
-            cfg.model, cfg.model_cache_dir, cfg.dtype
-        )
-        self.geometry = probe_geometry(self._model)
-        self.pool = BlockPoolAllocator(
-            pool_config(
-                self.geometry,
-                block_size=cfg.block_size,
-                kv_cache_mb=cfg.kv_cache_mb,
-                n_blocks=cfg.n_blocks,
-                separate_kv=cfg.separate_kv,
-                grow_on_exhaustion=cfg.grow_on_exhaustion,
-                max_blocks=cfg.max_blocks,
-            )
-        )
-        self.kv_bytes_per_block = self.geometry.bytes_per_block(cfg.block_size)
-        self._admission = Admission(self.pool, self.geometry.n_layers, default_step(self.pool))
-        eos = sorted(self.tokenizer.eos_token_ids)
-        self._generator = BatchGenerator(
-            self._model,
-            stop_tokens=[[t] for t in eos],
-            completion_batch_size=cfg.max_running,
-            prefill_batch_size=min(cfg.max_running, cfg.prefill_batch),
-            prefill_step_size=cfg.prefill_step,
-        )
-        mx.eval(mx.zeros(1))
-        self.blas = blas_in_use()
-        log.info(
-            "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
-            self.model_name,
-            self.pool.stats.n_blocks,
-            cfg.block_size,
-            self.kv_bytes_per_block,
-            self.pool.stats.n_blocks * self.kv_bytes_per_block / 2**20,
-            self.blas,
+        rt = loader.build_runtime(self.config)
+        self._model, self.tokenizer, self.model_name = rt.model, rt.tokenizer, rt.name
+        self.geometry, self.pool, self._admission = rt.geometry, rt.pool, rt.admission
+        self._generator, self.kv_bytes_per_block, self.blas = (
+            rt.generator,
+            rt.kv_bytes_per_block,
+            rt.blas,
         )
 
     def _loop(self) -> None:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.pool_backed import default_step
+from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.default_model import ensure_default_model
+from veloxquant_mlx.engine.sizing import Admission, KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -45,3 +50,61 @@ def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any
         net.set_dtype(target)
     log.info("loaded %s from %s (dtype %s)", name, path, dtype)
     return net, tokenizer, name
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """Everything the engine thread builds at start (all made on that thread)."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    geometry: KVGeometry
+    pool: BlockPoolAllocator
+    admission: Admission
+    generator: Any
+    kv_bytes_per_block: int
+    blas: str
+
+
+def build_runtime(cfg: EngineConfig) -> Runtime:
+    """Load the model, size the pool from its KV geometry, make the BatchGenerator."""
+    from mlx_lm.generate import BatchGenerator
+
+    from veloxquant_mlx.blas import blas_in_use
+
+    model, tokenizer, name = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
+    geometry = probe_geometry(model)
+    pool = BlockPoolAllocator(
+        pool_config(
+            geometry,
+            block_size=cfg.block_size,
+            kv_cache_mb=cfg.kv_cache_mb,
+            n_blocks=cfg.n_blocks,
+            separate_kv=cfg.separate_kv,
+            grow_on_exhaustion=cfg.grow_on_exhaustion,
+            max_blocks=cfg.max_blocks,
+        )
+    )
+    per_block = geometry.bytes_per_block(cfg.block_size)
+    generator = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+        completion_batch_size=cfg.max_running,
+        prefill_batch_size=min(cfg.max_running, cfg.prefill_batch),
+        prefill_step_size=cfg.prefill_step,
+    )
+    mx.eval(mx.zeros(1))
+    blas = blas_in_use()
+    n_blocks = pool.stats.n_blocks
+    log.info(
+        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
+        name,
+        n_blocks,
+        cfg.block_size,
+        per_block,
+        n_blocks * per_block / 2**20,
+        blas,
+    )
+    admission = Admission(pool, geometry.n_layers, default_step(pool))
+    return Runtime(model, tokenizer, name, geometry, pool, admission, generator, per_block, blas)

@@ -10,6 +10,8 @@ from collections.abc import Hashable
 from veloxquant_mlx.pool.block import Block
 from veloxquant_mlx.pool.config import PoolConfig
 from veloxquant_mlx.pool.errors import BlockPoolExhaustedError, OwnerAlreadyActiveError
+from veloxquant_mlx.pool.invariants import check_pool_locked
+from veloxquant_mlx.pool.owners import Owned, check_owner
 from veloxquant_mlx.pool.stats import AllocationStats
 
 DEFAULT_HISTORY_SIZE = 256
@@ -96,7 +98,7 @@ class BlockPoolAllocator:
         self._n_fresh: dict[str, int] = dict.fromkeys(self._streams, 0)
         self._n_total_by_stream: dict[str, int] = dict.fromkeys(self._streams, 0)
         # An owner is active while it has an entry here (register_owner makes an empty one).
-        self._owners: dict[Hashable, _Owned] = {}
+        self._owners: dict[Hashable, Owned] = {}
         self._next_block_id = 0
         self._stats = AllocationStats(n_blocks=0)
         self.history = deque(maxlen=history_size)
@@ -170,14 +172,14 @@ class BlockPoolAllocator:
                 and not yet released.
             ValueError: If ``owner`` is None (None means "free" on a Block) or unhashable.
         """
-        _check_owner(owner)
+        check_owner(owner)
         with self._lock:
             if owner in self._owners:
                 raise OwnerAlreadyActiveError(
                     f"owner {owner!r} is already active (holds blocks or was registered and not "
                     "released); use another id, or free_all(owner) first"
                 )
-            self._owners[owner] = _Owned()
+            self._owners[owner] = Owned()
 
     def release_owner(self, owner: int) -> None:
         """Clear ``owner`` from the active-owner set without freeing blocks.
@@ -234,7 +236,7 @@ class BlockPoolAllocator:
         with self._lock:
             record = self._owners.get(owner)
             if record is None:
-                _check_owner(owner)
+                check_owner(owner)
             free = self._free[s]
             n_free = len(free)
             grew = n_free < n_needed
@@ -248,7 +250,7 @@ class BlockPoolAllocator:
                     )
                 n_free = n_needed
             if record is None:
-                record = self._owners[owner] = _Owned()
+                record = self._owners[owner] = Owned()
             stats = self._stats
             if n_needed == 1 and self._n_fresh[s] < n_free:
                 # Decode-time growth: one reused block; no slicing, no temporary dict.
@@ -518,50 +520,11 @@ class BlockPoolAllocator:
     def check_invariants(self) -> None:
         """Recount everything from scratch and assert it matches the incremental state.
 
-        For tests and debugging: O(blocks). Raises AssertionError naming the first violation.
+        For tests and debugging: O(blocks), under the lock. Raises AssertionError naming the
+        first violation (see ``pool/invariants.py``).
         """
         with self._lock:
-            stats = self._stats
-            free_ids: set[int] = set()
-            for stream, free in self._free.items():
-                for block in free:
-                    assert block.owner is None, f"free block {block.block_id} has an owner"
-                    assert block.stream == stream, f"block {block.block_id} on the wrong list"
-                    assert block.n_used == 0, f"free block {block.block_id} has n_used"
-                    assert block.block_id not in free_ids, f"block {block.block_id} freed twice"
-                    assert self._blocks.get(block.block_id) is block, "free block not live"
-                    free_ids.add(block.block_id)
-            for stream, free in self._free.items():
-                n_fresh = self._n_fresh[stream]
-                assert all(not b.ever_allocated for b in free[:n_fresh]), "fresh prefix drifted"
-                assert all(b.ever_allocated for b in free[n_fresh:]), "reused block not marked"
-            owned_ids: set[int] = set()
-            n_fragmented = 0
-            for owner, record in self._owners.items():
-                n_owner_fragmented = 0
-                for block in record.blocks:
-                    block_id = block.block_id
-                    assert block.owner == owner, f"block {block_id} owner mismatch"
-                    assert block.ever_allocated, f"owned block {block_id} not marked allocated"
-                    assert block_id not in owned_ids, f"block {block_id} has two owners"
-                    assert self._blocks.get(block_id) is block, "owned block not live"
-                    assert 0 <= block.n_used <= self._block_size
-                    owned_ids.add(block_id)
-                    n_owner_fragmented += 0 < block.n_used < self._block_size
-                assert record.n_fragmented == n_owner_fragmented, f"owner {owner!r} fragments"
-                n_fragmented += n_owner_fragmented
-            assert not free_ids & owned_ids, "a block is both free and owned"
-            assert free_ids | owned_ids == set(self._blocks), "blocks lost (neither free nor owned)"
-            assert stats.n_blocks == len(self._blocks), "n_blocks != live blocks"
-            for stream, n_total in self._n_total_by_stream.items():
-                n_live = sum(1 for b in self._blocks.values() if b.stream == stream)
-                assert n_total == n_live, f"stream {stream} total drifted"
-            assert stats._blocks_in_use == len(owned_ids), "blocks_in_use != owned blocks"
-            assert stats._fragmented_count == n_fragmented, "fragmented count drifted"
-            assert stats.peak_blocks_in_use >= stats._blocks_in_use, "peak below current use"
-            cap = self.config.max_blocks
-            if self.config.grow_on_exhaustion and cap is not None:
-                assert len(self._blocks) <= max(cap, self.config.n_blocks), "grew past max_blocks"
+            check_pool_locked(self)
 
     def __repr__(self) -> str:
         stats = self.stats
@@ -569,22 +532,3 @@ class BlockPoolAllocator:
             f"BlockPoolAllocator(block_size={self._block_size}, streams={self._streams}, "
             f"in_use={stats.blocks_in_use()}/{stats.n_blocks}, owners={len(self._owners)})"
         )
-
-
-class _Owned:
-    """One active owner's blocks (a list in allocation order) and how many are fragmented."""
-
-    __slots__ = ("blocks", "n_fragmented")
-
-    def __init__(self) -> None:
-        self.blocks: list[Block] = []
-        self.n_fragmented = 0
-
-
-def _check_owner(owner: object) -> None:
-    if owner is None:
-        raise ValueError("owner must not be None (None marks a free block)")
-    try:
-        hash(owner)
-    except TypeError:
-        raise ValueError(f"owner must be hashable, got {type(owner).__name__}") from None

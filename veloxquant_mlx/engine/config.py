@@ -1,0 +1,24 @@
+"""EngineConfig: what the engine loads and how it batches (plain values from Settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the engine loads and how it batches; plain values from Settings."""
+
+    model: str | None = None  # None: the embedded default model
+    model_cache_dir: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_mb: float | None = 256.0
+    n_blocks: int | None = None
+    separate_kv: bool = True
+    grow_on_exhaustion: bool = False
+    max_blocks: int | None = None
+    max_running: int = 32
+    max_queue: int = 256
+    prefill_step: int = 512
+    prefill_batch: int = 8
