@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -103,6 +104,27 @@ def _submit(
         raise from_engine(exc) from None
 
 
+def _sse_response(
+    st: AppState,
+    body: CompletionRequest | ChatCompletionRequest,
+    handle: RequestHandle,
+    arrived: float,
+    base: dict[str, Any],
+    chunk: Callable[[TokenEvent | FinishEvent], dict[str, Any]],
+) -> StreamingResponse:
+    """The SSE response: ``chunk`` per event, a usage chunk if asked, ``[DONE]``."""
+
+    def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
+        return {**base, "choices": [], "usage": usage_json(finish)}
+
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(
+        stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk),
+        media_type="text/event-stream",
+        headers=_SSE_HEADERS,
+    )
+
+
 def _token_text(st: AppState, token: int) -> str:
     return st.engine.tokenizer.decode([token])
 
@@ -164,15 +186,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 }
             return {**base, "choices": [choice]}
 
-        def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
-            return {**base, "choices": [], "usage": usage_json(finish)}
-
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        return _sse_response(st, body, handle, arrived, base, chunk)
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     choice = {
@@ -255,15 +269,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
             return {**base, "choices": [choice]}
 
-        def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
-            return {**base, "choices": [], "usage": usage_json(finish)}
-
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+        return _sse_response(st, body, handle, arrived, base, chunk)
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     return {
