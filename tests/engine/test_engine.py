@@ -254,3 +254,15 @@ def test_stats_are_a_frozen_snapshot(engine):
     )
     with pytest.raises(AttributeError):
         after.running = 3  # type: ignore[misc]
+
+
+def test_grow_on_exhaustion_is_honoured_up_to_max_blocks(make_engine):
+    # starts with room for no row at all (76 blocks per stream per row); may grow to 2 rows
+    engine = make_engine(n_blocks=40, grow_on_exhaustion=True, max_blocks=2 * 160)
+    ps = prompts(engine, 4)
+    handles = [engine.submit(request(p[:10], max_tokens=30)) for p in ps]
+    assert all(h.collect(60)[1].finish_reason == "length" for h in handles)
+    stats = engine.pool.stats
+    assert stats.n_grown > 0 and stats.n_blocks <= 2 * 160 and stats.n_exhausted == 0
+    with pytest.raises(RequestTooLargeError):
+        engine.submit(request(ps[0][:10], max_tokens=1000))  # over max_blocks even alone
