@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", default="32-64")
     p.add_argument("--out", default="loadtest-compare.md")
+    p.add_argument("--only-pressure", action="store_true", help="just the memory-pressure run")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
@@ -103,7 +104,7 @@ def main() -> None:
         f"BLAS {blas or 'bundled'}; both servers float32 weights.",
         "",
     ]
-    for name in args.models.split(","):
+    for name in [] if args.only_pressure else args.models.split(","):
         path = model_dir(name, work)
         ours_port, theirs_port = free_port(), free_port()
         ours_cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
@@ -151,34 +152,45 @@ def main() -> None:
 
 
 def pressure(work: Path, env: dict[str, str]) -> list[str]:
-    """Offered KV well over the budget: everything served, KV within budget, 429 only at the
-    queue bound."""
+    """Offered KV well over our budget: everything served, KV within budget, 429 only at the
+    queue bound; the same load on mlx_lm.server for its peak memory."""
     from veloxquant_mlx.engine.default_model import ensure_default_model
 
     path = ensure_default_model(work / "cache")
+    load = ["--requests", "96", "--concurrency", "48", "--max-tokens", "200-300",
+            "--prompt-words", "100-200"]  # fmt: skip
     port = free_port()
     cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port", str(port),
            "--admin-key", "compare-admin", "--kv-cache-mb", "8", "--max-queue", "256"]  # fmt: skip
     with server(cmd, port, env, work / "pressure.log") as proc:
-        lt = parse(["--url", f"http://127.0.0.1:{port}", "--requests", "96", "--concurrency", "48",
-                    "--max-tokens", "200-300", "--prompt-words", "100-200"])  # fmt: skip
+        lt = parse(["--url", f"http://127.0.0.1:{port}", *load])
         s = asyncio.run(level(lt, lt.url, None, 48, "pressure c=48"))
         rss = peak_rss_mb(proc.pid)
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port", str(port)]
+    with server(cmd, port, env, work / "pressure-theirs.log") as proc:
+        lt = parse(["--url", f"http://127.0.0.1:{port}", "--model", str(path), *load])
+        t = asyncio.run(level(lt, lt.url, str(path), 48, "pressure mlx_lm.server c=48"))
+        rss_theirs = peak_rss_mb(proc.pid)
     srv = s.server
     per_block = srv.get("kv_capacity_bytes", 0) / max(srv.get("blocks_total", 1), 1)
     # worst case offered at once: 48 rows of ~500 tokens, 4 layers, K and V, 256-slot growth
     offered = 48 * 2 * 4 * ((500 + 255) // 16 + 1) * per_block
     mib = 2**20
     return [
-        "### Memory pressure (ours, `--kv-cache-mb 8`, 48 concurrent long requests)\n",
-        f"Served {s.ok}/{s.requests}, errors {s.errors_by_status or 'none'}; "
+        "### Memory pressure (`--kv-cache-mb 8`, 48 concurrent long requests, 96 in all)\n",
+        f"Ours: served {s.ok}/{s.requests}, errors {s.errors_by_status or 'none'}; "
         f"peak KV in use {srv.get('peak_kv_bytes', 0) / mib:.1f} MiB "
         f"of {srv.get('kv_capacity_bytes', 0) / mib:.1f} MiB "
         f"(offered at once, worst case: about {offered / mib:.0f} MiB); "
         f"peak running {srv.get('peak_running', 0):.0f}, "
         f"peak waiting {srv.get('peak_waiting', 0):.0f}; "
         f"rejections {srv.get('rejections') or 'none'}; "
-        f"pool free after: {'yes' if srv.get('leak_free') else 'NO'}; peak RSS {rss:.0f} MiB.",
+        f"pool free after: {'yes' if srv.get('leak_free') else 'NO'}; peak RSS {rss:.0f} MiB; "
+        f"{s.output_tokens_per_s:.1f} tok/s.\n",
+        f"mlx_lm.server, same load (no KV bound): served {t.ok}/{t.requests}, errors "
+        f"{t.errors_by_status or 'none'}; peak RSS {rss_theirs:.0f} MiB; "
+        f"{t.output_tokens_per_s:.1f} tok/s.",
     ]
 
 
