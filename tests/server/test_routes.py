@@ -62,6 +62,25 @@ async def test_completion_logprobs(client):
     )
 
 
+async def test_logit_bias_steers_and_penalties_are_accepted(client):
+    forced = await client.post(
+        "/v1/completions",
+        json={**COMPLETION, "max_tokens": 5, "logit_bias": {"42": 100.0}, "logprobs": 0},
+    )
+    assert forced.status_code == 200, forced.text
+    tokens = forced.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(set(tokens)) == 1  # +100 on one id makes greedy pick it every time
+    body = {**COMPLETION, "presence_penalty": 0.5, "frequency_penalty": 0.3, "top_k": -1}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    for bad in (
+        {"logit_bias": {"x": 1.0}},
+        {"logit_bias": {"999999": 1.0}},
+        {"presence_penalty": 3.0},
+        {"top_k": -2},
+    ):
+        assert_openai_error(await client.post("/v1/completions", json={**COMPLETION, **bad}), 400)
+
+
 async def test_chat_completion_and_its_logprobs(client):
     r = await client.post(
         "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}

@@ -39,6 +39,10 @@ def make_sampler(params: SamplingParams) -> Sampler | None:
 
 
 def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    if params.repetition_penalty == 1.0:
-        return []
-    return make_logits_processors(repetition_penalty=params.repetition_penalty)
+    """mlx_lm's logits processors for the penalties and logit bias this request sets (or none)."""
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )

@@ -41,10 +41,15 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
 
     def __post_init__(self) -> None:
         checks = (
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
             ("temperature", 0.0 <= self.temperature <= 100.0),
             ("top_p", 0.0 < self.top_p <= 1.0),
             ("top_k", self.top_k >= 0),

@@ -46,13 +46,23 @@ def _check_model(st: AppState, model: str) -> None:
         )
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def _sampling(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> SamplingParams:
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(
+                400, f"logit_bias keys must be token ids below {vocab}", param="logit_bias"
+            )
+        bias.append((int(key), value))
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        top_k=max(0, body.top_k or 0),
         min_p=body.min_p or 0.0,
         repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=tuple(bias),
         seed=body.seed,
     )
 
@@ -93,7 +103,7 @@ def _submit(
     request = GenerationRequest(
         tuple(prompt),
         max_tokens,
-        _sampling(body),
+        _sampling(body, vocab),
         stop=tuple(body.stop or ()),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

@@ -23,9 +23,17 @@ class _Sampling(BaseModel):
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0, le=100_000)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=100_000)] | None = None  # -1: off (vLLM)
     min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[Finite, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[StrictStr, Annotated[Finite, Field(ge=-100.0, le=100.0)]], Field(max_length=300)
+        ]
+        | None
+    ) = None
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stream: StrictBool = False
