@@ -186,3 +186,10 @@ def test_invalid_settings_fail_at_start_with_one_line(tmp_path):
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "port" in lines[0] and "max_running" in lines[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "not a local model directory" in r.stderr

@@ -266,3 +266,21 @@ def test_grow_on_exhaustion_is_honoured_up_to_max_blocks(make_engine):
     assert stats.n_grown > 0 and stats.n_blocks <= 2 * 160 and stats.n_exhausted == 0
     with pytest.raises(RequestTooLargeError):
         engine.submit(request(ps[0][:10], max_tokens=1000))  # over max_blocks even alone
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine):
+    engine = make_engine(n_blocks=2 * 1200, prefill_step=64)
+    ps = prompts(engine, 2)
+    running = engine.submit(request(ps[0], max_tokens=400))
+    events = running.events(30)
+    next(e for e in events if isinstance(e, TokenEvent))
+    long_prompt = (ps[1] * 200)[:1400]  # 22 prefill chunks of 64
+    late = engine.submit(request(long_prompt, max_tokens=2))
+    first_late = next(e for e in late.events(60) if isinstance(e, TokenEvent)).time
+    late_done = late.collect(60)
+    assert late_done[1].finish_reason == "length"
+    # the running request kept decoding while the long prompt was being prefilled
+    during = [
+        e for e in events if isinstance(e, TokenEvent) and late.submitted_at < e.time < first_late
+    ]
+    assert len(during) >= 10

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Literal
 
@@ -70,6 +71,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.model is not None and not Path(self.model).expanduser().is_dir():
+            raise ValueError(
+                f"--model {self.model}: not a local model directory (nothing is downloaded)"
+            )
         if self.n_blocks is None and self.kv_cache_mb is None:
             raise ValueError("set --kv-cache-mb or --n-blocks")
         if self.max_blocks is not None and self.grow_on_exhaustion:
