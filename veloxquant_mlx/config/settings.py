@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
