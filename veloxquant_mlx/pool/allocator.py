@@ -326,16 +326,16 @@ class BlockPoolAllocator:
             for block in blocks:
                 self._own_block_locked(block)
             owners, free, stats = self._owners, self._free, self._stats
-            by_owner: dict[Hashable, dict[Block, None]] = {}
+            by_owner: dict[Hashable, dict[int, Block]] = {}
             for block in blocks:
                 if block.owner is not None and (owner is None or block.owner == owner):
-                    by_owner.setdefault(block.owner, {})[block] = None  # dedupes too
+                    by_owner.setdefault(block.owner, {})[block.block_id] = block  # dedupes too
             for holder, freed in by_owner.items():
                 record = owners[holder]
-                record.blocks = [b for b in record.blocks if b not in freed]
+                record.blocks = [b for b in record.blocks if b.block_id not in freed]
                 if not record.blocks:
                     del owners[holder]
-                for block in freed:
+                for block in freed.values():
                     if 0 < block.n_used < block_size:
                         record.n_fragmented -= 1
                         stats._fragmented_count -= 1

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True)
 class Block:
     """A single fixed-size block of KV-cache storage.
 
     The pool keeps one ``Block`` per block id for the id's whole life and hands that same object
     out on every allocation, so a caller's reference stays valid while it owns the block. Only the
     pool writes its fields (``n_used`` through :meth:`BlockPoolAllocator.mark_used`); a reference
-    kept after the block is freed sees the next owner's state. Blocks compare by identity.
+    kept after the block is freed sees the next owner's state. Blocks compare by value (a
+    dataclass); the pool itself tells its blocks apart by ``block_id`` and identity.
 
     Attributes:
         block_id: Index into the pool's backing storage; stable for the lifetime of the pool
