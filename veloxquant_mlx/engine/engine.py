@@ -368,6 +368,7 @@ class Engine:
         _, responses = self._generator.next()
         now = time.monotonic()
         finished: list[tuple[int, str]] = []
+        outbox: list[tuple[RequestHandle, TokenEvent]] = []
         n_tokens = 0
         for r in responses:
             run = self._running.get(r.uid)
@@ -382,11 +383,12 @@ class Engine:
                 continue
             text, stopped = run.add_token(r.token)
             logprob, top = run.logprobs(r.token, r.logprobs)
-            run.handle._push(TokenEvent(r.token, text, now, logprob, top))
+            outbox.append((run.handle, TokenEvent(r.token, text, now, logprob, top)))
             if stopped:
                 finished.append((r.uid, "stop"))
             elif r.finish_reason == "length":
                 finished.append((r.uid, "length"))
+        RequestHandle.push_tokens(outbox)  # before any finish event of this step
         with self._lock:
             self._counters.generated_tokens += n_tokens
         for uid, reason in finished:

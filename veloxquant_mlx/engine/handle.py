@@ -54,6 +54,20 @@ class RequestHandle:
         if isinstance(event, FinishEvent):
             self._done.set()
 
+    @staticmethod
+    def push_tokens(items: list[tuple[RequestHandle, TokenEvent]]) -> None:
+        """Deliver one step's token events (engine thread): one wake-up per event loop per step
+        instead of one per token, which matters when dozens of requests decode together."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent]]] = {}
+        for handle, event in items:
+            if handle._loop is not None and handle._async_queue is not None:
+                by_loop.setdefault(handle._loop, []).append((handle, event))
+            else:
+                handle._sync_queue.put(event)
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_deliver, batch)
+
     # ------------------------------------------------------------------ consumer side
 
     @property
@@ -99,3 +113,10 @@ class RequestHandle:
     def __repr__(self) -> str:
         state: Any = self.finish.finish_reason if self.finish else "pending"
         return f"RequestHandle(request_id={self.request_id}, {state})"
+
+
+def _deliver(batch: list[tuple[RequestHandle, TokenEvent]]) -> None:
+    """On the event loop: hand each event to its handle's queue."""
+    for handle, event in batch:
+        assert handle._async_queue is not None
+        handle._async_queue.put_nowait(event)
