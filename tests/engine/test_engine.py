@@ -12,6 +12,7 @@ import pytest
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.engine import Engine
 from veloxquant_mlx.engine.types import (
+    CapacityReducedError,
     EngineNotReadyError,
     FinishEvent,
     GenerationRequest,
@@ -284,3 +285,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine):
         e for e in events if isinstance(e, TokenEvent) and late.submitted_at < e.time < first_late
     ]
     assert len(during) >= 10
+
+
+def test_a_shrunk_pool_refuses_with_503_what_the_configured_pool_would_hold(make_engine):
+    engine = make_engine(n_blocks=2 * 400)
+    assert engine.shrink("kv", 0) == 800
+    with pytest.raises(CapacityReducedError):
+        engine.submit(request([1, 2, 3], max_tokens=10))
+    with pytest.raises(RequestTooLargeError):
+        engine.submit(request([1, 2, 3], max_tokens=1900))  # over the configured pool too
+    assert engine.stats().rejections_total == {"capacity": 1, "too_large": 1}

@@ -21,6 +21,7 @@ from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
 from veloxquant_mlx.engine.sizing import Admission, KVGeometry
 from veloxquant_mlx.engine.types import (
+    CapacityReducedError,
     EngineNotReadyError,
     EngineStats,
     FinishEvent,
@@ -168,6 +169,12 @@ class Engine:
                     f"({request.max_tokens}) exceeds the context window of {window} tokens"
                 )
             if not self._admission.could_ever_fit(end):
+                if self._admission.fits_configured(end):
+                    self._counters.rejected[CapacityReducedError.reason] += 1
+                    raise CapacityReducedError(
+                        "the KV pool has been shrunk below what this request needs; "
+                        "try again later or with a smaller max_tokens"
+                    )
                 self._counters.rejected[RequestTooLargeError.reason] += 1
                 raise RequestTooLargeError(
                     f"prompt plus max_tokens ({end} tokens) needs more KV blocks than the "

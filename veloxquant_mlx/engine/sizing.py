@@ -111,14 +111,25 @@ class Admission:
         return self._fits(self.need(ends), current=True)
 
     def could_ever_fit(self, end: int) -> bool:
-        """True if one request alone fits the pool at its maximum size."""
+        """True if one request alone fits the pool at its maximum size (as it is now: an
+        operator's shrink lowers it)."""
         return self._fits(self.need([end]), current=False)
 
-    def _fits(self, need: int, *, current: bool) -> bool:
+    def fits_configured(self, end: int) -> bool:
+        """True if one request alone fits the pool as configured (before any shrink)."""
+        cfg = self.pool.config
+        if cfg.separate_kv:
+            totals = {"k": cfg.n_blocks - cfg.n_blocks // 2, "v": cfg.n_blocks // 2}
+        else:
+            totals = {"kv": cfg.n_blocks}
+        return self._fits(self.need([end]), current=False, totals=totals)
+
+    def _fits(self, need: int, *, current: bool, totals: dict[str, int] | None = None) -> bool:
         cfg = self.pool.config
         streams = ("k", "v") if cfg.separate_kv else ("kv",)
         per_stream_need = need if cfg.separate_kv else 2 * need
-        totals = {s: self.pool.n_total(s) for s in streams}
+        if totals is None:
+            totals = {s: self.pool.n_total(s) for s in streams}
         deficit = sum(max(0, per_stream_need - totals[s]) for s in streams)
         if not cfg.grow_on_exhaustion:
             return deficit == 0

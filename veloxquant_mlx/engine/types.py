@@ -24,6 +24,12 @@ class RequestTooLargeError(EngineError, ValueError):
     reason = "too_large"
 
 
+class CapacityReducedError(EngineError):
+    """The request fits the pool as configured, but not as an operator has shrunk it (HTTP 503)."""
+
+    reason = "capacity"
+
+
 class EngineNotReadyError(EngineError):
     """The engine is still loading, draining or dead (HTTP 503)."""
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from veloxquant_mlx.engine.types import (
+    CapacityReducedError,
     EngineNotReadyError,
     QueueFullError,
     RequestTooLargeError,
@@ -73,6 +74,8 @@ def from_engine(exc: Exception) -> APIError:
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, RequestTooLargeError):
         return APIError(400, str(exc), code="context_length_exceeded", param="max_tokens")
+    if isinstance(exc, CapacityReducedError):
+        return APIError(503, str(exc), code="capacity_reduced", headers={"Retry-After": "5"})
     if isinstance(exc, EngineNotReadyError):
         return APIError(503, str(exc), code="not_ready", headers={"Retry-After": "5"})
     raise exc

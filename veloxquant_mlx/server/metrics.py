@@ -62,7 +62,7 @@ class EngineCollector(Collector):
             "Requests refused at submit, by reason.",
             labels=["reason"],
         )
-        for reason in ("queue_full", "too_large", "not_ready"):
+        for reason in ("queue_full", "too_large", "capacity", "not_ready"):
             rejected.add_metric([reason], stats.rejections_total.get(reason, 0))
         yield rejected
         pool = engine.pool
