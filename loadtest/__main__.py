@@ -48,6 +48,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: per-token bound, s")
     p.add_argument("--api-key")
     p.add_argument("--json", help="write every summary here")
+    p.add_argument("--records", help="write every request (start, TTFT, E2E, tokens, status) here")
     p.add_argument("--markdown", help="write the table here")
     p.add_argument("--plot", help="directory for PNG plots (needs matplotlib)")
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback targets")
@@ -77,6 +78,15 @@ async def level(args, url: str, model: str | None, concurrency: int, label: str)
         ours = await probe.start(client)
         records, wall = await run(client, sc, label)
         summary = summarize(label, records, wall, args.slo_ttft, args.slo_tpot)
+        if args.records:
+            t0 = min((r.start for r in records), default=0.0)
+            rows = [
+                {"label": label, "start_s": r.start - t0, "ttft_s": r.ttft, "e2e_s": r.e2e,
+                 "output_tokens": r.output_tokens, "status": r.status, "error": r.error}
+                for r in records
+            ]  # fmt: skip
+            with open(args.records, "a") as fh:
+                fh.writelines(json.dumps(row) + "\n" for row in rows)
         if ours:
             summary.server = await probe.stop(client)
     return summary
