@@ -91,7 +91,9 @@ def test_concurrent_requests(oai):
 
 
 def test_disconnect_mid_stream_frees_blocks(server, oai):
-    stream = oai.completions.create(model=MODEL, prompt="go on", max_tokens=1500, stream=True)
+    stream = oai.completions.create(
+        model=MODEL, prompt="go on", max_tokens=1500, stream=True, temperature=0
+    )
     for i, _ in enumerate(stream):
         if i == 5:
             break
@@ -103,7 +105,7 @@ def test_disconnect_mid_stream_frees_blocks(server, oai):
 def test_non_streaming_client_timeout_frees_blocks(server):
     short = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
-        short.completions.create(model=MODEL, prompt="long one", max_tokens=1800)
+        short.completions.create(model=MODEL, prompt="long one", max_tokens=1800, temperature=0)
     server.wait_pool_free(timeout=10)
 
 
@@ -172,7 +174,9 @@ def test_sigterm_drains_and_exits_zero(tmp_path, default_model_dir):
     result: dict = {}
 
     def slow():
-        result["r"] = client.completions.create(model=MODEL, prompt="drain me", max_tokens=300)
+        result["r"] = client.completions.create(
+            model=MODEL, prompt="drain me", max_tokens=300, temperature=0
+        )
 
     t = threading.Thread(target=slow)
     t.start()
