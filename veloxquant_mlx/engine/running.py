@@ -6,7 +6,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.detokenize import IncrementalDetokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.stops import StopMatcher
 
@@ -19,7 +18,8 @@ class Running:
     def __init__(self, handle: RequestHandle, tokenizer: Any, end: int) -> None:
         self.handle = handle
         self.end = end
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
         self.stops = StopMatcher(handle.request.stop)
         self.n_generated = 0
         self.peak_blocks = 0
@@ -27,11 +27,13 @@ class Running:
     def add_token(self, token: int) -> tuple[str, bool]:
         """The text this token releases, and whether a stop string was reached."""
         self.n_generated += 1
-        return self.stops.feed(self.detokenizer.add(token))
+        self.detokenizer.add_token(token)
+        return self.stops.feed(self.detokenizer.last_segment)
 
     def flush(self) -> str:
         """Text still held (an unfinished character, a stop-string prefix) at the end."""
-        text, stopped = self.stops.feed(self.detokenizer.finalize())
+        self.detokenizer.finalize()
+        text, stopped = self.stops.feed(self.detokenizer.last_segment)
         return text if stopped else text + self.stops.flush()
 
     def logprobs(
