@@ -54,16 +54,29 @@ def single(model: Any, prompt_len: int, runs: int) -> tuple[float, float]:
     prompt = [(7 * i) % 1000 + 3 for i in range(prompt_len)]
     state = _prefilled_state(model, prompt)
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1 << 16))
-    stock_tps, pooled_tps = [], []
-    for run in range(runs + 1):  # run 0 warms up
-        s = _decode_tps(model, prompt[-1], make_prompt_cache(model), state)
-        caches = build_pooled_caches(model, pool, owner=run)
-        p = _decode_tps(model, prompt[-1], caches, state)
+
+    def pooled(run: int) -> float:
+        tps = _decode_tps(model, prompt[-1], build_pooled_caches(model, pool, owner=run), state)
         pool.free_all(run)
+        return tps
+
+    result = _alternate(
+        runs, lambda _: _decode_tps(model, prompt[-1], make_prompt_cache(model), state), pooled
+    )
+    assert pool.stats.blocks_in_use() == 0
+    return result
+
+
+def _alternate(
+    runs: int, stock: Callable[[int], float], pooled: Callable[[int], float]
+) -> tuple[float, float]:
+    """Median tokens/s of ``stock`` and ``pooled`` run in turn; run 0 warms up and is dropped."""
+    stock_tps, pooled_tps = [], []
+    for run in range(runs + 1):
+        s, p = stock(run), pooled(run)
         if run:
             stock_tps.append(s)
             pooled_tps.append(p)
-    assert pool.stats.blocks_in_use() == 0
     return statistics.median(stock_tps), statistics.median(pooled_tps)
 
 
@@ -81,17 +94,16 @@ def _batch_tps(model: Any, rows: int, make_caches: Callable[[int], Any] | None) 
 
 def batched(model: Any, rows: int, runs: int) -> tuple[float, float]:
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1 << 16))
-    stock_tps, pooled_tps = [], []
-    for run in range(runs + 1):
-        s = _batch_tps(model, rows, None)
-        p = _batch_tps(model, rows, lambda r: build_pooled_caches(model, pool, owner=r))
+
+    def pooled(_: int) -> float:
+        tps = _batch_tps(model, rows, lambda r: build_pooled_caches(model, pool, owner=r))
         for r in range(rows):
             pool.free_all(r)
-        if run:
-            stock_tps.append(s)
-            pooled_tps.append(p)
+        return tps
+
+    result = _alternate(runs, lambda _: _batch_tps(model, rows, None), pooled)
     assert pool.stats.blocks_in_use() == 0
-    return statistics.median(stock_tps), statistics.median(pooled_tps)
+    return result
 
 
 def main() -> None:

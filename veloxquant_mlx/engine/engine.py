@@ -78,7 +78,6 @@ class Engine:
         self._counters = _Counters()
         self._next_request_id = 0
         self._ready = threading.Event()
-        self._stopped = threading.Event()
         self._draining = False
         self._drain_deadline: float | None = None
         self._alive = False
@@ -92,6 +91,7 @@ class Engine:
         self.geometry: KVGeometry | None = None
         self.kv_bytes_per_block = 0
         self.blas = "unknown"
+        self.device = "unknown"
         self._model: Any = None
         self._generator: Any = None
         self._admission: Admission | None = None
@@ -266,7 +266,6 @@ class Engine:
             # MLX needs its thread-local streams cleared before the thread ends, or the process
             # aborts at exit ("terminate called without an active exception").
             mx.clear_streams()
-            self._stopped.set()
 
     def _load(self) -> None:
         rt = loader.build_runtime(self.config)
@@ -277,6 +276,7 @@ class Engine:
             rt.kv_bytes_per_block,
             rt.blas,
         )
+        self.device = rt.device
 
     def _loop(self) -> None:
         while True:

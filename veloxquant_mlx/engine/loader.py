@@ -65,6 +65,7 @@ class Runtime:
     generator: Any
     kv_bytes_per_block: int
     blas: str
+    device: str
 
 
 def build_runtime(cfg: EngineConfig) -> Runtime:
@@ -107,4 +108,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         blas,
     )
     admission = Admission(pool, geometry.n_layers, default_step(pool))
-    return Runtime(model, tokenizer, name, geometry, pool, admission, generator, per_block, blas)
+    device = str(mx.default_device())
+    return Runtime(
+        model, tokenizer, name, geometry, pool, admission, generator, per_block, blas, device
+    )

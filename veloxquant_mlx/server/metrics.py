@@ -35,7 +35,7 @@ class EngineCollector(Collector):
         )
         from veloxquant_mlx import __version__
 
-        info.add_metric([__version__, self.model_name, engine.blas, _device()], 1)
+        info.add_metric([__version__, self.model_name, engine.blas, engine.device], 1)
         yield info
         yield _gauge("veloxquant_engine_alive", "1 while the engine thread runs.", stats.alive)
         yield _gauge(
@@ -88,12 +88,6 @@ class EngineCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
-
-
-def _device() -> str:
-    import mlx.core as mx  # device name only: no computation
-
-    return str(mx.default_device())
 
 
 def _gauge(name: str, doc: str, value: float | bool) -> GaugeMetricFamily:
