@@ -16,6 +16,7 @@ import mlx.core as mx
 from veloxquant_mlx.cache import build_pooled_caches
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.detokenize import Detokenizer, detokenizer_factory
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
@@ -93,6 +94,7 @@ class Engine:
         self.blas = "unknown"
         self.device = "unknown"
         self._model: Any = None
+        self._new_detokenizer: Callable[[], Detokenizer] | None = None
         self._generator: Any = None
         self._admission: Admission | None = None
 
@@ -277,6 +279,7 @@ class Engine:
             rt.blas,
         )
         self.device = rt.device
+        self._new_detokenizer = detokenizer_factory(rt.tokenizer)
 
     def _loop(self) -> None:
         while True:
@@ -352,7 +355,7 @@ class Engine:
             self._start(head, end)
 
     def _start(self, handle: RequestHandle, end: int) -> None:
-        assert self.pool is not None
+        assert self.pool is not None and self._new_detokenizer is not None
         request = handle.request
         owner = handle.request_id
         try:
@@ -367,7 +370,7 @@ class Engine:
         except BaseException:
             self.pool.free_all(owner)
             raise
-        self._running[uid] = Running(handle, self.tokenizer, end)
+        self._running[uid] = Running(handle, self._new_detokenizer(), end)
         self._changed = True
 
     def _step(self) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.stops import StopMatcher
 
@@ -15,11 +16,10 @@ class Running:
 
     __slots__ = ("detokenizer", "end", "handle", "n_generated", "peak_blocks", "stops")
 
-    def __init__(self, handle: RequestHandle, tokenizer: Any, end: int) -> None:
+    def __init__(self, handle: RequestHandle, detokenizer: Detokenizer, end: int) -> None:
         self.handle = handle
         self.end = end
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
+        self.detokenizer = detokenizer
         self.stops = StopMatcher(handle.request.stop)
         self.n_generated = 0
         self.peak_blocks = 0
@@ -27,13 +27,11 @@ class Running:
     def add_token(self, token: int) -> tuple[str, bool]:
         """The text this token releases, and whether a stop string was reached."""
         self.n_generated += 1
-        self.detokenizer.add_token(token)
-        return self.stops.feed(self.detokenizer.last_segment)
+        return self.stops.feed(self.detokenizer.add_token(token))
 
     def flush(self) -> str:
         """Text still held (an unfinished character, a stop-string prefix) at the end."""
-        self.detokenizer.finalize()
-        text, stopped = self.stops.feed(self.detokenizer.last_segment)
+        text, stopped = self.stops.feed(self.detokenizer.finalize())
         return text if stopped else text + self.stops.flush()
 
     def logprobs(

@@ -1,0 +1,127 @@
+"""Streaming detokenization that releases text as soon as it can be decoded.
+
+mlx_lm's streaming detokenizers hold text back while it ends in an invalid or unfinished UTF-8
+sequence: a model that emits stray byte tokens (a byte-level BPE's ``0x80``, an SPM byte-fallback
+``<0x80>``) streams nothing until the request finishes. For byte-level BPE and SPM tokenizers,
+this module maps each token id to its bytes once and runs them through Python's incremental
+UTF-8 decoder: only a possibly unfinished character (at most 3 bytes) is held, invalid bytes come
+out as U+FFFD at once, and the concatenated text equals mlx_lm's final text (the whole byte
+string decoded with replacement, one leading space dropped as mlx_lm does). Other tokenizers
+keep mlx_lm's own detokenizer.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+_SPM_SPACE = "\u2581".encode()
+
+
+class Detokenizer(Protocol):
+    """One request's token-to-text state (engine thread only)."""
+
+    def add_token(self, token: int) -> str:
+        """Text this token releases (may be empty)."""
+        ...
+
+    def finalize(self) -> str:
+        """Text still held at the end of the request."""
+        ...
+
+
+class ByteDetokenizer:
+    """Owns one request's incremental UTF-8 decoder over a shared id -> bytes table.
+
+    ``add_token`` is O(bytes of the token). Ids outside the table decode to nothing (a padded
+    vocabulary's unused rows), as the Hugging Face tokenizers do.
+    """
+
+    __slots__ = ("_decoder", "_started", "_table", "_trim_space")
+
+    def __init__(self, table: Sequence[bytes], trim_space: bool) -> None:
+        self._table = table
+        self._trim_space = trim_space
+        self._started = False
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add_token(self, token: int) -> str:
+        data = self._table[token] if 0 <= token < len(self._table) else b""
+        return self._emit(self._decoder.decode(data))
+
+    def finalize(self) -> str:
+        return self._emit(self._decoder.decode(b"", final=True))
+
+    def n_held_bytes(self) -> int:
+        """Bytes received but not yet released (an unfinished character)."""
+        return len(self._decoder.getstate()[0])
+
+    def _emit(self, text: str) -> str:
+        if text and not self._started:
+            self._started = True
+            if self._trim_space and text[0] == " ":
+                return text[1:]
+        return text
+
+
+class SegmentDetokenizer:
+    """Adapter over an mlx_lm ``StreamingDetokenizer`` (tokenizers without a byte table)."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def add_token(self, token: int) -> str:
+        self._inner.add_token(token)
+        return str(self._inner.last_segment)
+
+    def finalize(self) -> str:
+        self._inner.finalize()
+        return str(self._inner.last_segment)
+
+
+def detokenizer_factory(tokenizer: Any) -> Callable[[], Detokenizer]:
+    """A maker of fresh per-request detokenizers for an mlx_lm ``TokenizerWrapper``.
+
+    Builds the id -> bytes table once (O(vocabulary), done at model load).
+    """
+    proto = tokenizer.detokenizer
+    if isinstance(proto, BPEStreamingDetokenizer):
+        decoder = _gpt2_byte_decoder()
+        bpe = [bytes(_bpe_token_bytes(t, decoder)) for t in proto.tokenmap]
+        return functools.partial(ByteDetokenizer, bpe, True)
+    if isinstance(proto, SPMStreamingDetokenizer):
+        spm = [t.replace(_SPM_SPACE, b" ") for t in proto.tokenmap]
+        return functools.partial(ByteDetokenizer, spm, bool(proto.trim_space))
+    return lambda: SegmentDetokenizer(tokenizer.detokenizer)
+
+
+def _bpe_token_bytes(token: str | None, decoder: dict[str, int]) -> bytearray:
+    out = bytearray()
+    for ch in token or "":
+        b = decoder.get(ch)
+        if b is None:  # not a byte-level character (an added token's text): its own UTF-8
+            out += ch.encode()
+        else:
+            out.append(b)
+    return out
+
+
+@functools.cache
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves,
+    the other 68 are shifted to U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + shift)
+            shift += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
