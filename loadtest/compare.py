@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--max-tokens", default="32-64")
     p.add_argument("--out", default="loadtest-compare.md")
     p.add_argument("--only-pressure", action="store_true", help="just the memory-pressure run")
+    p.add_argument("--skip-pressure", action="store_true", help="no memory-pressure run")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
@@ -145,7 +146,8 @@ def main() -> None:
         lines.append(
             f"\nPeak resident memory: ours {rss[0]:.0f} MiB, mlx_lm.server {rss[1]:.0f} MiB.\n"
         )
-    lines += pressure(work, env)
+    if not args.skip_pressure:
+        lines += pressure(work, env)
     report = "\n".join(lines)
     Path(args.out).write_text(report + "\n")
     print(report)

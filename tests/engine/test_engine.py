@@ -295,3 +295,43 @@ def test_a_shrunk_pool_refuses_with_503_what_the_configured_pool_would_hold(make
     with pytest.raises(RequestTooLargeError):
         engine.submit(request([1, 2, 3], max_tokens=1900))  # over the configured pool too
     assert engine.stats().rejections_total == {"capacity": 1, "too_large": 1}
+
+
+def test_tokens_are_held_for_the_stream_interval_and_flushed_with_the_finish(make_engine):
+    # An interval far longer than the request: the first token goes out at once, every later
+    # one only with the finish, in order, nothing lost.
+    engine = make_engine(kv_cache_mb=32, stream_interval=30.0)
+    handle = engine.submit(request(prompts(engine, 1)[0], max_tokens=20))
+    arrivals: list[tuple[float, TokenEvent | FinishEvent]] = []
+    for event in handle.events(60):
+        arrivals.append((time.monotonic(), event))
+    tokens = [e for _, e in arrivals if isinstance(e, TokenEvent)]
+    assert len(tokens) == 20 and isinstance(arrivals[-1][1], FinishEvent)
+    last_made = tokens[-1].time
+    assert all(arrived >= last_made for arrived, _ in arrivals[1:])
+    alone = make_engine(kv_cache_mb=32, stream_interval=0.0)
+    assert [t.token_id for t in tokens] == token_ids(
+        alone.submit(request(prompts(alone, 1)[0], max_tokens=20))
+    )
+
+
+def test_the_stream_interval_batches_deliveries_not_tokens():
+    from veloxquant_mlx.engine.handle import RequestHandle
+    from veloxquant_mlx.engine.running import Running
+
+    run = Running(RequestHandle(1, request([1, 2, 3])), detokenizer=None, end=8)  # type: ignore[arg-type]
+
+    def make(t: float) -> TokenEvent:
+        event = TokenEvent(0, "x", t)
+        run.pending.append(event)
+        return event
+
+    first = make(0.0)
+    assert run.take_due(0.0, 0.01) == [first]  # the first token at once
+    a, b = make(0.003), make(0.006)
+    assert run.take_due(0.006, 0.01) == []  # within the interval: held
+    c = make(0.011)
+    assert run.take_due(0.011, 0.01) == [a, b, c]  # due: everything held, in order
+    assert run.take_due(0.5, 0.01) == []  # nothing pending
+    d = make(0.5)
+    assert run.take_all(0.5) == [d] and run.pending == []

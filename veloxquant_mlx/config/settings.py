@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
     prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
+    stream_interval_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="A stream's tokens are sent at most this often, batched (the first at once); "
+        "0: every token as it is made.",
+    )
     admin_key: str | None = Field(
         None, description="Bearer key for /admin (random, printed once, when unset)."
     )

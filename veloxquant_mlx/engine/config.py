@@ -22,3 +22,6 @@ class EngineConfig:
     max_queue: int = 256
     prefill_step: int = 512
     prefill_batch: int = 8
+    # Seconds between deliveries of one request's tokens (the first token goes at once): each
+    # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
+    stream_interval: float = 0.010

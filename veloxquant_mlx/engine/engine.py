@@ -378,13 +378,14 @@ class Engine:
         _, responses = self._generator.next()
         now = time.monotonic()
         finished: list[tuple[int, str]] = []
-        outbox: list[tuple[RequestHandle, TokenEvent]] = []
+        stepped: list[tuple[int, Running]] = []
         n_tokens = 0
         for r in responses:
             run = self._running.get(r.uid)
             if run is None:
                 continue
             n_tokens += 1
+            stepped.append((r.uid, run))
             if run.n_generated % 16 == 0 or r.finish_reason is not None:  # growth is in chunks
                 blocks = self.pool.n_blocks_for(run.handle.request_id)
                 run.peak_blocks = max(run.peak_blocks, blocks)
@@ -393,11 +394,19 @@ class Engine:
                 continue
             text, stopped = run.add_token(r.token)
             logprob, top = run.logprobs(r.token, r.logprobs)
-            outbox.append((run.handle, TokenEvent(r.token, text, now, logprob, top)))
+            run.pending.append(TokenEvent(r.token, text, now, logprob, top))
             if stopped:
                 finished.append((r.uid, "stop"))
             elif r.finish_reason == "length":
                 finished.append((r.uid, "length"))
+        ending = {uid for uid, _ in finished}
+        interval = self.config.stream_interval
+        # A request's tokens go out at most every `interval` (the first at once, the last with
+        # its finish): each delivery wakes the consumer's thread.
+        outbox = [
+            (run.handle, run.take_all(now) if uid in ending else run.take_due(now, interval))
+            for uid, run in stepped
+        ]
         RequestHandle.push_tokens(outbox)  # before any finish event of this step
         with self._lock:
             self._counters.generated_tokens += n_tokens
@@ -413,6 +422,7 @@ class Engine:
             self._generator.remove([uid])  # a no-op once BatchGenerator dropped it itself
         finally:
             self.pool.free_all(run.handle.request_id)
+            RequestHandle.push_tokens([(run.handle, run.take_all(time.monotonic()))])
             tail = run.flush() if reason in ("length", "stop") else ""
             self._push_finish(run.handle, reason, run.n_generated, run.peak_blocks, tail, error)
 

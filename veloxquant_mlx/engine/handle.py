@@ -55,15 +55,19 @@ class RequestHandle:
             self._done.set()
 
     @staticmethod
-    def push_tokens(items: list[tuple[RequestHandle, TokenEvent]]) -> None:
-        """Deliver one step's token events (engine thread): one wake-up per event loop per step
-        instead of one per token, which matters when dozens of requests decode together."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, TokenEvent]]] = {}
-        for handle, event in items:
+    def push_tokens(items: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
+        """Deliver one step's token events, in order per handle (engine thread): one wake-up
+        per event loop per step instead of one per token, which matters when dozens of requests
+        decode together. Empty lists are skipped."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
+        for handle, events in items:
+            if not events:
+                continue
             if handle._loop is not None and handle._async_queue is not None:
-                by_loop.setdefault(handle._loop, []).append((handle, event))
+                by_loop.setdefault(handle._loop, []).append((handle, events))
             else:
-                handle._sync_queue.put(event)
+                for event in events:
+                    handle._sync_queue.put(event)
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, batch)
@@ -84,6 +88,20 @@ class RequestHandle:
             event = await self._async_queue.get()
             yield event
             if isinstance(event, FinishEvent):
+                return
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """As ``async for``, but every event already delivered at once, oldest first (the
+        last list ends with the FinishEvent): a consumer can write them out together."""
+        queue = self._async_queue
+        if queue is None:
+            raise RuntimeError("this handle was not submitted from an event loop; use events()")
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty() and not isinstance(batch[-1], FinishEvent):
+                batch.append(queue.get_nowait())
+            yield batch
+            if isinstance(batch[-1], FinishEvent):
                 return
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
@@ -115,8 +133,9 @@ class RequestHandle:
         return f"RequestHandle(request_id={self.request_id}, {state})"
 
 
-def _deliver(batch: list[tuple[RequestHandle, TokenEvent]]) -> None:
+def _deliver(batch: list[tuple[RequestHandle, list[TokenEvent]]]) -> None:
     """On the event loop: hand each event to its handle's queue."""
-    for handle, event in batch:
+    for handle, events in batch:
         assert handle._async_queue is not None
-        handle._async_queue.put_nowait(event)
+        for event in events:
+            handle._async_queue.put_nowait(event)

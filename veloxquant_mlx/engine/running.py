@@ -9,12 +9,23 @@ import mlx.core as mx
 from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.stops import StopMatcher
+from veloxquant_mlx.engine.types import TokenEvent
 
 
 class Running:
-    """One admitted request on the engine thread. Owns its detokenizer and stop matcher."""
+    """One admitted request on the engine thread. Owns its detokenizer, stop matcher and the
+    token events not yet delivered to its handle (``pending``, oldest first)."""
 
-    __slots__ = ("detokenizer", "end", "handle", "n_generated", "peak_blocks", "stops")
+    __slots__ = (
+        "delivered_at",
+        "detokenizer",
+        "end",
+        "handle",
+        "n_generated",
+        "peak_blocks",
+        "pending",
+        "stops",
+    )
 
     def __init__(self, handle: RequestHandle, detokenizer: Detokenizer, end: int) -> None:
         self.handle = handle
@@ -23,6 +34,23 @@ class Running:
         self.stops = StopMatcher(handle.request.stop)
         self.n_generated = 0
         self.peak_blocks = 0
+        self.pending: list[TokenEvent] = []
+        self.delivered_at: float | None = None  # None: nothing delivered yet
+
+    def take_due(self, now: float, interval: float) -> list[TokenEvent]:
+        """The pending events if they are due (first delivery, or ``interval`` since the last
+        one), else nothing; taken events are no longer pending."""
+        if not self.pending:
+            return []
+        if self.delivered_at is not None and now - self.delivered_at < interval:
+            return []
+        return self.take_all(now)
+
+    def take_all(self, now: float) -> list[TokenEvent]:
+        events, self.pending = self.pending, []
+        if events:
+            self.delivered_at = now
+        return events
 
     def add_token(self, token: int) -> tuple[str, bool]:
         """The text this token releases, and whether a stop string was reached."""

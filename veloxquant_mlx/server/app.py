@@ -35,6 +35,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_queue=settings.max_queue,
         prefill_step=settings.prefill_step,
         prefill_batch=settings.prefill_batch,
+        stream_interval=settings.stream_interval_ms / 1000,
     )
 
 

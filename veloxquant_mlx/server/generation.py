@@ -90,20 +90,25 @@ async def stream_events(
     include_usage: bool,
     usage_chunk: Any,
 ) -> AsyncIterator[bytes]:
-    """SSE bytes: ``chunk(event)`` per event, then usage if asked, then ``[DONE]``.
+    """SSE bytes: ``chunk(event)`` per event, then usage if asked, then ``[DONE]``. Events
+    that arrived together are written together.
 
     If the client goes away, Starlette cancels this generator and the request is cancelled.
     """
     times: list[float] = []
     finish: FinishEvent | None = None
     try:
-        async for event in handle:
-            if isinstance(event, TokenEvent):
-                times.append(event.time)
-                if event.text or event.logprob is not None:
-                    yield sse(chunk(event))
-            else:
-                finish = event
+        async for batch in handle.batches():
+            out = []
+            for event in batch:
+                if isinstance(event, TokenEvent):
+                    times.append(event.time)
+                    if event.text or event.logprob is not None:
+                        out.append(sse(chunk(event)))
+                else:
+                    finish = event
+            if out:
+                yield b"".join(out)
         assert finish is not None
         if finish.finish_reason == "error":
             yield sse(
