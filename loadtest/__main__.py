@@ -20,7 +20,7 @@ import httpx
 
 from loadtest.probe import Probe
 from loadtest.runner import Scenario, check_loopback, run
-from loadtest.stats import Summary, markdown, summarize
+from loadtest.stats import Record, Summary, markdown, summarize
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -56,7 +56,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def level(args, url: str, model: str | None, concurrency: int, label: str) -> Summary:
+async def level(
+    args,
+    url: str,
+    model: str | None,
+    concurrency: int,
+    label: str,
+    *,
+    seed: int | None = None,
+    n_requests: int | None = None,
+    records_out: list[Record] | None = None,
+) -> Summary:
+    """One load level against one server. ``seed``/``n_requests`` override the arguments';
+    ``records_out`` collects the per-request records (for merging rounds)."""
     sc = Scenario(
         base_url=url.rstrip("/"),
         model=model,
@@ -64,12 +76,12 @@ async def level(args, url: str, model: str | None, concurrency: int, label: str)
         stream=not args.no_stream,
         concurrency=concurrency,
         rate=args.rate,
-        n_requests=args.requests,
+        n_requests=args.requests if n_requests is None else n_requests,
         duration=args.duration,
         prompt_words=_range(args.prompt_words),
         max_tokens=_range(args.max_tokens),
         temperature=args.temperature,
-        seed=args.seed,
+        seed=args.seed if seed is None else seed,
         api_key=args.api_key,
     )
     limits = httpx.Limits(max_connections=max(concurrency, 64) * 2)
@@ -77,7 +89,9 @@ async def level(args, url: str, model: str | None, concurrency: int, label: str)
         probe = Probe(sc.base_url)
         ours = await probe.start(client)
         records, wall = await run(client, sc, label)
-        summary = summarize(label, records, wall, args.slo_ttft, args.slo_tpot)
+        summary = summarize(label, records, wall, args.slo_ttft, args.slo_tpot, ramp_up=concurrency)
+        if records_out is not None:
+            records_out.extend(records)
         if args.records:
             t0 = min((r.start for r in records), default=0.0)
             rows = [
@@ -102,9 +116,13 @@ async def main_async(args) -> int:
             check_loopback(url)
     summaries: list[Summary] = []
     for c in levels:
-        for url, model, tag in targets:  # interleaved: a, b at each level
+        # Interleaved: a, b at each level, on the same prompts; new prompts at every level, so
+        # neither server answers a later level from its prompt cache.
+        for url, model, tag in targets:
             what = f"rate {args.rate}/s" if args.rate else f"c={c}"
-            summaries.append(await level(args, url, model, c, f"{tag}:{url} {what}"))
+            summaries.append(
+                await level(args, url, model, c, f"{tag}:{url} {what}", seed=args.seed + 1000 * c)
+            )
     print(markdown(summaries))
     if args.compare:
         print("\n| level | out tok/s b/a | TTFT p99 b/a | errors a / b |")

@@ -21,11 +21,13 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from loadtest.__main__ import level, parse
+from loadtest.stats import Record, Summary, percentile, summarize
 from veloxquant_mlx.blas import select
 
 
@@ -70,6 +72,75 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path):
             proc.wait(10)
 
 
+@dataclass(slots=True)
+class Side:
+    """One server's figures at one level, over all rounds."""
+
+    summary: Summary
+    steady_ttft_p99: float  # TTFT p99 without each round's first burst
+    leak_free: bool
+
+
+def side_by_side(
+    lt: argparse.Namespace, path: str, c: int, rounds: int, requests: int
+) -> tuple[Side, Side, list[float]]:
+    """``rounds`` rounds at concurrency ``c``, alternating which server goes first; each round
+    sends both servers the same fresh prompts (a new seed per level and round, so no server
+    answers from a prompt cache). Returns ours, theirs and the per-round tok/s ratios."""
+    per_round = max(requests // rounds, c)
+    records: dict[str, list[Record]] = {"ours": [], "theirs": []}
+    steady: dict[str, list[float]] = {"ours": [], "theirs": []}
+    wall = {"ours": 0.0, "theirs": 0.0}
+    leak_free, ratios = True, []
+    for r in range(rounds):
+        seed = lt.seed + 1000 * c + r
+        order = ["ours", "theirs"] if r % 2 == 0 else ["theirs", "ours"]
+        tps = {}
+        for who in order:
+            url, model = (lt.url, None) if who == "ours" else (lt.compare, path)
+            got: list[Record] = []
+            s = asyncio.run(
+                level(lt, url, model, c, f"{who} c={c} round {r + 1}", seed=seed,
+                      n_requests=per_round, records_out=got)
+            )  # fmt: skip
+            records[who] += got
+            wall[who] += s.duration_s
+            tps[who] = s.output_tokens_per_s
+            late = sorted(got, key=lambda x: x.start)[c:]
+            steady[who] += [x.ttft for x in late if x.ok and x.ttft is not None]
+            if who == "ours":
+                leak_free = leak_free and bool(s.server.get("leak_free"))
+        ratios.append(tps["ours"] / max(tps["theirs"], 1e-9))
+    out = []
+    for who in ("ours", "theirs"):
+        s = summarize(who, records[who], wall[who], lt.slo_ttft, lt.slo_tpot)
+        out.append(Side(s, percentile(steady[who], 0.99), leak_free))
+    return out[0], out[1], ratios
+
+
+def table(rows: list[tuple[int, Side, Side, list[float]]]) -> list[str]:
+    lines = [
+        "| concurrency | ours tok/s | mlx_lm.server tok/s | ratio (rounds) | TTFT p50 ms ours / "
+        "theirs | TTFT p99 ms ours / theirs | p99 ratio | p99 ratio after ramp-up | "
+        "errors ours/theirs | pool free after |",
+        "|---:|---:|---:|---|---|---|---:|---:|---|---|",
+    ]
+    for c, a, b, ratios in rows:
+        sa, sb = a.summary, b.summary
+        spread = ", ".join(f"{x:.2f}" for x in ratios)
+        lines.append(
+            f"| {c} | {sa.output_tokens_per_s:.1f} | {sb.output_tokens_per_s:.1f} | "
+            f"**{sa.output_tokens_per_s / max(sb.output_tokens_per_s, 1e-9):.2f}** ({spread}) | "
+            f"{sa.ttft_s['p50'] * 1e3:.0f} / {sb.ttft_s['p50'] * 1e3:.0f} | "
+            f"{sa.ttft_s['p99'] * 1e3:.0f} / {sb.ttft_s['p99'] * 1e3:.0f} | "
+            f"**{sa.ttft_s['p99'] / max(sb.ttft_s['p99'], 1e-9):.2f}** | "
+            f"{a.steady_ttft_p99 / max(b.steady_ttft_p99, 1e-9):.2f} | "
+            f"{sum(sa.errors_by_status.values())}/{sum(sb.errors_by_status.values())} | "
+            f"{'yes' if a.leak_free else 'NO'} |"
+        )
+    return lines
+
+
 def model_dir(name: str, work: Path) -> Path:
     if name == "embedded":
         from veloxquant_mlx.engine.default_model import ensure_default_model
@@ -84,7 +155,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="embedded,100m")
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64, help="per server and level, all rounds")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per level")
     p.add_argument("--max-tokens", default="32-64")
     p.add_argument("--out", default="loadtest-compare.md")
     p.add_argument("--only-pressure", action="store_true", help="just the memory-pressure run")
@@ -122,27 +194,13 @@ def main() -> None:
                 "--concurrency", args.concurrency, "--requests", str(args.requests),
                 "--max-tokens", args.max_tokens, "--compare-model", str(path),
             ])  # fmt: skip
-            rows = []
-            for c in (int(x) for x in args.concurrency.split(",")):
-                a = asyncio.run(level(lt, lt.url, None, c, f"ours c={c}"))
-                b = asyncio.run(level(lt, lt.compare, str(path), c, f"mlx_lm.server c={c}"))
-                rows.append((c, a, b))
+            rows = [
+                (c, *side_by_side(lt, str(path), c, args.rounds, args.requests))
+                for c in (int(x) for x in args.concurrency.split(","))
+            ]
             rss = (peak_rss_mb(ours.pid), peak_rss_mb(theirs.pid))
         lines.append(f"### {name} model (`{path.name}`)\n")
-        lines.append(
-            "| concurrency | ours tok/s | mlx_lm.server tok/s | ratio | ours TTFT p99 ms | "
-            "theirs TTFT p99 ms | ratio | errors ours/theirs | pool free after |"
-        )
-        lines.append("|---:|---:|---:|---:|---:|---:|---:|---|---|")
-        for c, a, b in rows:
-            lines.append(
-                f"| {c} | {a.output_tokens_per_s:.1f} | {b.output_tokens_per_s:.1f} | "
-                f"{a.output_tokens_per_s / max(b.output_tokens_per_s, 1e-9):.2f} | "
-                f"{a.ttft_s['p99'] * 1e3:.0f} | {b.ttft_s['p99'] * 1e3:.0f} | "
-                f"{a.ttft_s['p99'] / max(b.ttft_s['p99'], 1e-9):.2f} | "
-                f"{sum(a.errors_by_status.values())}/{sum(b.errors_by_status.values())} | "
-                f"{'yes' if a.server.get('leak_free') else 'NO'} |"
-            )
+        lines += table(rows)
         lines.append(
             f"\nPeak resident memory: ours {rss[0]:.0f} MiB, mlx_lm.server {rss[1]:.0f} MiB.\n"
         )

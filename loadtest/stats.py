@@ -68,6 +68,7 @@ class Summary:
     requests_per_s: float
     goodput_requests_per_s: float
     ttft_s: dict[str, float]
+    ttft_after_ramp_up_s: dict[str, float]  # without the first `concurrency` requests
     itl_s: dict[str, float]
     tpot_s: dict[str, float]
     e2e_s: dict[str, float]
@@ -78,9 +79,17 @@ class Summary:
 
 
 def summarize(
-    label: str, records: list[Record], duration: float, slo_ttft: float, slo_tpot: float
+    label: str,
+    records: list[Record],
+    duration: float,
+    slo_ttft: float,
+    slo_tpot: float,
+    ramp_up: int = 0,
 ) -> Summary:
+    """Figures over ``records``; ``ramp_up``: how many of the earliest-started requests (a closed
+    loop's first burst, all sent at once) to leave out of ``ttft_after_ramp_up_s``."""
     ok = [r for r in records if r.ok]
+    late = sorted(records, key=lambda r: r.start)[ramp_up:]
     errors = Counter(str(r.status or "connection") for r in records if not r.ok)
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     good = [
@@ -99,6 +108,7 @@ def summarize(
         requests_per_s=len(ok) / duration if duration else 0.0,
         goodput_requests_per_s=len(good) / duration if duration else 0.0,
         ttft_s=_dist([r.ttft for r in ok if r.ttft is not None]),
+        ttft_after_ramp_up_s=_dist([r.ttft for r in late if r.ok and r.ttft is not None]),
         itl_s=_dist(itl),
         tpot_s=_dist([r.tpot for r in ok if r.tpot is not None]),
         e2e_s=_dist([r.e2e for r in ok]),

@@ -315,7 +315,7 @@ def test_tokens_are_held_for_the_stream_interval_and_flushed_with_the_finish(mak
     )
 
 
-def test_the_stream_interval_batches_deliveries_not_tokens():
+def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
     from veloxquant_mlx.engine.handle import RequestHandle
     from veloxquant_mlx.engine.running import Running
 
@@ -326,12 +326,15 @@ def test_the_stream_interval_batches_deliveries_not_tokens():
         run.pending.append(event)
         return event
 
+    assert not run.is_due(0.0, 0.01)  # nothing pending
     first = make(0.0)
-    assert run.take_due(0.0, 0.01) == [first]  # the first token at once
+    assert run.is_due(0.0, 0.01)  # the first token at once
+    assert run.take_all(0.0) == [first]
     a, b = make(0.003), make(0.006)
-    assert run.take_due(0.006, 0.01) == []  # within the interval: held
+    assert not run.is_due(0.006, 0.01)  # within the interval: held
     c = make(0.011)
-    assert run.take_due(0.011, 0.01) == [a, b, c]  # due: everything held, in order
-    assert run.take_due(0.5, 0.01) == []  # nothing pending
-    d = make(0.5)
-    assert run.take_all(0.5) == [d] and run.pending == []
+    assert run.is_due(0.011, 0.01)
+    assert run.take_all(0.011) == [a, b, c] and run.pending == []  # everything held, in order
+    d = make(0.015)
+    assert not run.is_due(0.015, 0.01)  # the interval counts from the last delivery
+    assert run.take_all(0.015) == [d]  # taken anyway when another request's delivery goes out

@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
     prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
     stream_interval_ms: float = Field(
-        10.0,
+        25.0,
         ge=0,
         le=1000,
         description="A stream's tokens are sent at most this often, batched (the first at once); "

@@ -24,4 +24,4 @@ class EngineConfig:
     prefill_batch: int = 8
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
-    stream_interval: float = 0.010
+    stream_interval: float = 0.025

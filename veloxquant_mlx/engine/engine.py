@@ -401,13 +401,11 @@ class Engine:
                 finished.append((r.uid, "length"))
         ending = {uid for uid, _ in finished}
         interval = self.config.stream_interval
-        # A request's tokens go out at most every `interval` (the first at once, the last with
-        # its finish): each delivery wakes the consumer's thread.
-        outbox = [
-            (run.handle, run.take_all(now) if uid in ending else run.take_due(now, interval))
-            for uid, run in stepped
-        ]
-        RequestHandle.push_tokens(outbox)  # before any finish event of this step
+        # Tokens go out when some request is due (its first token, `interval` since its last
+        # delivery, its finish), and then everyone's pending tokens go along: each delivery
+        # wakes the consumer's thread, so one wake-up carries as much as it can.
+        if any(uid in ending or run.is_due(now, interval) for uid, run in stepped):
+            RequestHandle.push_tokens([(run.handle, run.take_all(now)) for _, run in stepped])
         with self._lock:
             self._counters.generated_tokens += n_tokens
         for uid, reason in finished:

@@ -37,16 +37,15 @@ class Running:
         self.pending: list[TokenEvent] = []
         self.delivered_at: float | None = None  # None: nothing delivered yet
 
-    def take_due(self, now: float, interval: float) -> list[TokenEvent]:
-        """The pending events if they are due (first delivery, or ``interval`` since the last
-        one), else nothing; taken events are no longer pending."""
+    def is_due(self, now: float, interval: float) -> bool:
+        """Whether pending events must go out now: the first delivery, or ``interval`` since
+        the last one."""
         if not self.pending:
-            return []
-        if self.delivered_at is not None and now - self.delivered_at < interval:
-            return []
-        return self.take_all(now)
+            return False
+        return self.delivered_at is None or now - self.delivered_at >= interval
 
     def take_all(self, now: float) -> list[TokenEvent]:
+        """Every pending event, oldest first; none is pending afterwards."""
         events, self.pending = self.pending, []
         if events:
             self.delivered_at = now
