@@ -87,7 +87,7 @@ def side_by_side(
     """``rounds`` rounds at concurrency ``c``, alternating which server goes first; each round
     sends both servers the same fresh prompts (a new seed per level and round, so no server
     answers from a prompt cache). Returns ours, theirs and the per-round tok/s ratios."""
-    per_round = max(requests // rounds, c)
+    per_round = max(requests // rounds, 2 * c)  # a burst of c, then at least c more
     records: dict[str, list[Record]] = {"ours": [], "theirs": []}
     steady: dict[str, list[float]] = {"ours": [], "theirs": []}
     wall = {"ours": 0.0, "theirs": 0.0}

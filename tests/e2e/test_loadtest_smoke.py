@@ -45,3 +45,20 @@ def test_targets_off_this_machine_are_refused():
         check_loopback("http://10.0.0.1:8000")
     with pytest.raises(SystemExit):
         check_loopback("http://example.com")
+
+
+def test_ttft_after_ramp_up_leaves_out_the_first_burst():
+    from loadtest.stats import Record, summarize
+
+    # a closed loop of 2: the first two requests start together and wait 1 s for a first token;
+    # later ones 0.1 s
+    records = [
+        Record(start=0.0, end=2.0, status=200, first_token=1.0, output_tokens=4),
+        Record(start=0.0, end=2.0, status=200, first_token=1.0, output_tokens=4),
+    ]
+    records += [Record(start=2.0 + i, end=3.0 + i, status=200, first_token=2.1 + i,
+                       output_tokens=4) for i in range(4)]  # fmt: skip
+    s = summarize("x", records, 6.0, slo_ttft=2.0, slo_tpot=1.0, ramp_up=2)
+    assert s.ttft_s["p99"] == pytest.approx(1.0)
+    assert s.ttft_after_ramp_up_s["p99"] == pytest.approx(0.1)
+    assert s.output_tokens_per_s == pytest.approx(24 / 6.0)
