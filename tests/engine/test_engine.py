@@ -338,3 +338,25 @@ def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
     d = make(0.015)
     assert not run.is_due(0.015, 0.01)  # the interval counts from the last delivery
     assert run.take_all(0.015) == [d]  # taken anyway when another request's delivery goes out
+
+
+def test_requests_admitted_together_are_prefilled_shortest_first(make_engine):
+    # The engine is held inside a step while six requests queue up, longest prompt first; they
+    # are admitted together, and prefilled two at a time (prefill_batch=2) shortest first, so
+    # batches carry little padding.
+    gate, inside = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        gate.wait(30)
+
+    engine = make_engine(kv_cache_mb=32, prefill_batch=2, step_hook=hold)
+    blocker = engine.submit(request(prompts(engine, 1)[0], max_tokens=4))
+    assert inside.wait(30)
+    lengths = [60, 50, 40, 30, 20, 10]
+    handles = [engine.submit(request([5] * n, max_tokens=2)) for n in lengths]
+    gate.set()
+    first_token_times = [h.collect(60)[0][0].time for h in handles]
+    assert first_token_times == sorted(first_token_times, reverse=True)
+    assert first_token_times[-1] < first_token_times[0]
+    blocker.collect(60)

@@ -340,19 +340,30 @@ class Engine:
             self._promised = promised
 
     def _admit(self) -> None:
+        """Admit waiting requests in FIFO order while they fit, then start them shortest prompt
+        first: BatchGenerator prefills its queue in order, in left-padded batches, so requests
+        admitted together (a burst) are prefilled with little padding."""
         assert self._admission is not None and self.pool is not None
-        while self._waiting and len(self._running) < self.config.max_running:
-            with self._lock:
-                if not self._waiting:
-                    return
+        ends = [r.end for r in self._running.values()]
+        admitted: list[tuple[RequestHandle, int]] = []
+        with self._lock:
+            while self._waiting and len(ends) < self.config.max_running:
                 head = self._waiting[0]
-                ends = [r.end for r in self._running.values()]
                 end = len(head.request.prompt_tokens) + head.request.max_tokens
                 if not self._admission.fits([*ends, end]):
-                    return  # FIFO: nobody overtakes the head
+                    break  # FIFO: nobody overtakes the head
                 self._waiting.popleft()
                 self._counters.prompt_tokens += len(head.request.prompt_tokens)
-            self._start(head, end)
+                ends.append(end)
+                admitted.append((head, end))
+        admitted.sort(key=lambda item: len(item[0].request.prompt_tokens))
+        for i, (handle, end) in enumerate(admitted):
+            try:
+                self._start(handle, end)
+            except BaseException:
+                with self._lock:  # not started: back to the queue (failed with the engine)
+                    self._waiting.extendleft(h for h, _ in reversed(admitted[i:]))
+                raise
 
     def _start(self, handle: RequestHandle, end: int) -> None:
         assert self.pool is not None and self._new_detokenizer is not None
