@@ -162,7 +162,8 @@ def plot(summaries: list[Summary], directory: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print(
-            "loadtest: matplotlib not installed; no plots (pip install matplotlib)", file=sys.stderr
+            "loadtest: matplotlib not installed; no plots (pip install -e '.[plot]')",
+            file=sys.stderr,
         )
         return
     directory.mkdir(parents=True, exist_ok=True)

@@ -117,8 +117,8 @@ def summarize(
 
 def markdown(summaries: list[Summary]) -> str:
     rows = [
-        "| run | ok/total | errors | out tok/s | req/s | goodput req/s | TTFT p50/p99 ms | "
-        "ITL p50/p99 ms | TPOT p50 ms | E2E p50/p99 s |",
+        "| run | ok/total | errors | out tok/s | req/s | goodput req/s | TTFT p50/p90/p99 ms | "
+        "ITL p50/p99 ms | TPOT p50 ms | E2E p50/p90/p99 s |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
@@ -126,8 +126,10 @@ def markdown(summaries: list[Summary]) -> str:
         rows.append(
             f"| {s.label} | {s.ok}/{s.requests} | {errs} | {s.output_tokens_per_s:.1f} | "
             f"{s.requests_per_s:.2f} | {s.goodput_requests_per_s:.2f} | "
-            f"{s.ttft_s['p50'] * 1e3:.0f} / {s.ttft_s['p99'] * 1e3:.0f} | "
+            f"{s.ttft_s['p50'] * 1e3:.0f} / {s.ttft_s['p90'] * 1e3:.0f} / "
+            f"{s.ttft_s['p99'] * 1e3:.0f} | "
             f"{s.itl_s['p50'] * 1e3:.1f} / {s.itl_s['p99'] * 1e3:.1f} | "
-            f"{s.tpot_s['p50'] * 1e3:.1f} | {s.e2e_s['p50']:.2f} / {s.e2e_s['p99']:.2f} |"
+            f"{s.tpot_s['p50'] * 1e3:.1f} | {s.e2e_s['p50']:.2f} / {s.e2e_s['p90']:.2f} / "
+            f"{s.e2e_s['p99']:.2f} |"
         )
     return "\n".join(rows)
