@@ -174,7 +174,7 @@ def main() -> None:
     lines = [
         f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores; Python "
         f"{platform.python_version()}, MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}; "
-        f"BLAS {blas or 'bundled'}; both servers float32 weights.",
+        f"BLAS {Path(blas).name if blas else 'bundled'}; both servers float32 weights.",
         "",
     ]
     for name in [] if args.only_pressure else args.models.split(","):

@@ -62,3 +62,17 @@ def test_ttft_after_ramp_up_leaves_out_the_first_burst():
     assert s.ttft_s["p99"] == pytest.approx(1.0)
     assert s.ttft_after_ramp_up_s["p99"] == pytest.approx(0.1)
     assert s.output_tokens_per_s == pytest.approx(24 / 6.0)
+
+
+def test_plot_writes_a_png_of_throughput_and_ttft_against_concurrency(tmp_path):
+    from loadtest.__main__ import plot
+    from loadtest.stats import Record, summarize
+
+    summaries = []
+    for target in ("a:http://127.0.0.1:1", "b:http://127.0.0.1:2"):
+        for c in (1, 8):
+            records = [Record(start=0.0, end=1.0, status=200, first_token=0.1, output_tokens=8)]
+            summaries.append(summarize(f"{target} c={c}", records, 1.0, 2.0, 1.0))
+    plot(summaries, tmp_path / "plots")
+    png = (tmp_path / "plots" / "loadtest.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
