@@ -53,6 +53,24 @@ def test_streaming_completion_matches_non_streaming(oai):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_invalid_bytes_stream_as_they_are_made_not_at_the_end(oai, default_model):
+    from veloxquant_mlx.engine.detokenize import _gpt2_byte_decoder
+
+    # mlx_lm.server would send nothing until the end: its detokenizer holds text ending in
+    # U+FFFD. A logit bias makes the model emit the lone byte 0x80 every step.
+    byte_0x80 = next(c for c, b in _gpt2_byte_decoder().items() if b == 0x80)
+    token = default_model[1].vocab[byte_0x80]
+    stream = oai.completions.create(
+        model=MODEL, prompt="hello", max_tokens=200, temperature=0, stream=True,
+        logit_bias={str(token): 100},
+    )  # fmt: skip
+    arrivals = [(time.monotonic(), c.choices[0].text) for c in stream if c.choices]
+    texts = [t for _, t in arrivals if t]
+    assert texts == ["\ufffd"] * 200
+    first_text = next(at for at, t in arrivals if t)
+    assert first_text < arrivals[-1][0]  # the first came before the finish, not with it
+
+
 def test_streaming_chat(oai):
     stream = oai.chat.completions.create(
         model=MODEL,
