@@ -53,6 +53,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", help="directory for PNG plots (needs matplotlib)")
     p.add_argument("--allow-remote", action="store_true", help="allow non-loopback targets")
     p.add_argument("--no-leak-check", action="store_true")
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between /metrics scrapes of our server during a level (peaks)",
+    )
     return p.parse_args(argv)
 
 
@@ -86,7 +92,7 @@ async def level(
     )
     limits = httpx.Limits(max_connections=max(concurrency, 64) * 2)
     async with httpx.AsyncClient(limits=limits, timeout=sc.request_timeout) as client:
-        probe = Probe(sc.base_url)
+        probe = Probe(sc.base_url, interval=args.scrape_interval)
         ours = await probe.start(client)
         records, wall = await run(client, sc, label)
         summary = summarize(label, records, wall, args.slo_ttft, args.slo_tpot, ramp_up=concurrency)
