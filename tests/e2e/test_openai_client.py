@@ -54,11 +54,11 @@ def test_streaming_completion_matches_non_streaming(oai):
 
 
 def test_invalid_bytes_stream_as_they_are_made_not_at_the_end(oai, default_model):
-    from veloxquant_mlx.engine.detokenize import _gpt2_byte_decoder
+    from veloxquant_mlx.engine.detokenize import gpt2_byte_decoder
 
     # mlx_lm.server would send nothing until the end: its detokenizer holds text ending in
     # U+FFFD. A logit bias makes the model emit the lone byte 0x80 every step.
-    byte_0x80 = next(c for c, b in _gpt2_byte_decoder().items() if b == 0x80)
+    byte_0x80 = next(c for c, b in gpt2_byte_decoder().items() if b == 0x80)
     token = default_model[1].vocab[byte_0x80]
     stream = oai.completions.create(
         model=MODEL, prompt="hello", max_tokens=200, temperature=0, stream=True,

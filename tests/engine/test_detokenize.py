@@ -27,9 +27,9 @@ def stream(detok, ids: list[int]) -> tuple[list[str], str]:
 
 def byte_token_ids(tokenizer, predicate) -> list[int]:
     """Ids whose whole text is one byte-level character standing for a byte that matches."""
-    from veloxquant_mlx.engine.detokenize import _gpt2_byte_decoder
+    from veloxquant_mlx.engine.detokenize import gpt2_byte_decoder
 
-    decoder = _gpt2_byte_decoder()
+    decoder = gpt2_byte_decoder()
     out = []
     for token, i in tokenizer.vocab.items():
         if len(token) == 1 and token in decoder and predicate(decoder[token]):

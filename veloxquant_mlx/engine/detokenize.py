@@ -17,7 +17,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+# mlx_lm's GPT-2 byte map (character -> byte), the one its BPE detokenizer decodes with.
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import _byte_decoder as gpt2_byte_decoder
 
 _SPM_SPACE = "\u2581".encode()
 
@@ -92,7 +94,7 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Detokenizer]:
     """
     proto = tokenizer.detokenizer
     if isinstance(proto, BPEStreamingDetokenizer):
-        decoder = _gpt2_byte_decoder()
+        decoder = gpt2_byte_decoder()
         bpe = [bytes(_bpe_token_bytes(t, decoder)) for t in proto.tokenmap]
         return functools.partial(ByteDetokenizer, bpe, True)
     if isinstance(proto, SPMStreamingDetokenizer):
@@ -110,18 +112,3 @@ def _bpe_token_bytes(token: str | None, decoder: dict[str, int]) -> bytearray:
         else:
             out.append(b)
     return out
-
-
-@functools.cache
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves,
-    the other 68 are shifted to U+0100 onwards."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + shift)
-            shift += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

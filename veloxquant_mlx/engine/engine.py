@@ -10,11 +10,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.loop import Counters, EngineLoop
-from veloxquant_mlx.engine.running import Running
-from veloxquant_mlx.engine.sizing import Admission, KVGeometry
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
     EngineNotReadyError,
@@ -23,7 +20,6 @@ from veloxquant_mlx.engine.types import (
     QueueFullError,
     RequestTooLargeError,
 )
-from veloxquant_mlx.pool import BlockPoolAllocator
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -52,32 +48,30 @@ class Engine(EngineLoop):
         self.config = config
         self._step_hook = step_hook
         self._lock = threading.Condition()
-        self._waiting: collections.deque[RequestHandle] = collections.deque()
-        self._cancels: set[int] = set()
-        self._commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
-            collections.deque()
-        )
+        self._waiting = collections.deque()
+        self._cancels = set()
+        self._commands = collections.deque()
         self._counters = Counters()
         self._next_request_id = 0
         self._ready = threading.Event()
         self._draining = False
-        self._drain_deadline: float | None = None
+        self._drain_deadline = None
         self._alive = False
-        self._load_error: BaseException | None = None
-        self._running: dict[int, Running] = {}  # engine thread only: uid -> request
+        self._load_error = None
+        self._running = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
-        # Set on the engine thread during load, read-only afterwards.
-        self.pool: BlockPoolAllocator | None = None
-        self.tokenizer: Any = None
+        # Set on the engine thread during load, read-only afterwards (types: EngineLoop).
+        self.pool = None
+        self.tokenizer = None
         self.model_name = ""
-        self.geometry: KVGeometry | None = None
+        self.geometry = None
         self.kv_bytes_per_block = 0
         self.blas = "unknown"
         self.device = "unknown"
-        self._model: Any = None
-        self._new_detokenizer: Callable[[], Detokenizer] | None = None
-        self._generator: Any = None
-        self._admission: Admission | None = None
+        self._model = None
+        self._new_detokenizer = None
+        self._generator = None
+        self._admission = None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -218,12 +218,10 @@ class EngineLoop:
         now = time.monotonic()
         finished: list[tuple[int, str]] = []
         stepped: list[tuple[int, Running]] = []
-        n_tokens = 0
         for r in responses:
             run = self._running.get(r.uid)
             if run is None:
                 continue
-            n_tokens += 1
             stepped.append((r.uid, run))
             if run.n_generated % 16 == 0 or r.finish_reason is not None:  # growth is in chunks
                 blocks = self.pool.n_blocks_for(run.handle.request_id)
@@ -246,7 +244,7 @@ class EngineLoop:
         if any(uid in ending or run.is_due(now, interval) for uid, run in stepped):
             RequestHandle.push_tokens([(run.handle, run.take_all(now)) for _, run in stepped])
         with self._lock:
-            self._counters.generated_tokens += n_tokens
+            self._counters.generated_tokens += len(stepped)
         for uid, reason in finished:
             self._finish(uid, reason, error=None)
 
