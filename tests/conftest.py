@@ -15,7 +15,9 @@ from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Re-execute pytest once with an optimized BLAS preloaded (VQ_BLAS=off: the bundled one).
+    """Re-execute pytest once with an optimized BLAS and the gemv forwarder preloaded.
+
+    VQ_BLAS=off: the bundled BLAS; VQ_BLAS_GEMV=0: the optimized BLAS alone.
 
     Output capture is stopped first, so the re-executed run writes to the real terminal.
     """
@@ -24,7 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()
-    ensure_blas(os.environ.get("VQ_BLAS", "auto"))
+    gemv = os.environ.get("VQ_BLAS_GEMV", "true").lower() not in ("0", "false", "no", "off")
+    ensure_blas(os.environ.get("VQ_BLAS", "auto"), gemv=gemv)
     if capture is not None:  # not re-executed: nothing better found; carry on as we are
         capture.start_global_capturing()
 

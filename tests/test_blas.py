@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from veloxquant_mlx import blas
+from veloxquant_mlx import blas, gemv_forward
 
 linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="BLAS preload is Linux-only")
 
@@ -123,8 +123,98 @@ def test_this_suite_runs_on_the_optimized_blas():
     good = _good()
     if os.environ.get("VQ_BLAS") == "off":
         pytest.skip("suite run with VQ_BLAS=off")
-    assert os.environ.get(blas.ACTIVE_ENV) == good
+    assert os.environ.get(blas.ACTIVE_ENV, "").split(" + ")[0] == good
     import mlx.core as mx
 
     mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4)))
     assert "openblas" in blas.blas_in_use().lower()
+
+
+# A forwarder that claims to forward but computes nothing: the probe must refuse it.
+_WRONG_FORWARDER = r"""
+void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float alpha, const float *a,
+                 int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+    for (int i = 0; i < m; i++) for (int j = 0; j < n; j++) c[i * ldc + j] = 0.0f;
+}
+unsigned long vq_gemv_forwarded(void) { return 1; }
+"""
+
+# Child script: every one-row / one-column product layout MLX hands to cblas_sgemm, against
+# the elementwise definition, with the number of calls the forwarder sent to sgemv.
+_VECTOR_PRODUCTS = r"""
+import ctypes, json, sys
+import mlx.core as mx
+worst, n = 0.0, 0
+for m, k, n_ in ((1, 768, 3072), (1, 3072, 768), (40, 64, 1), (1, 1, 1), (1, 7, 1)):
+    for ta in (False, True):
+        for tb in (False, True):
+            n += 1
+            a = mx.random.normal((k, m) if ta else (m, k), key=mx.random.key(n))
+            b = mx.random.normal((n_, k) if tb else (k, n_), key=mx.random.key(100 + n))
+            a, b = (a.T if ta else a), (b.T if tb else b)
+            want = (a[:, :, None] * b[None, :, :]).sum(axis=1)
+            worst = max(worst, mx.max(mx.abs(a @ b - want)).item())
+            batched = mx.stack([a, 2 * a]) @ b  # MLX folds the batch: two rows, sgemm
+            worst = max(worst, mx.max(mx.abs(batched[1] - 2 * want)).item())
+print(json.dumps({"worst": worst, "forwarded": ctypes.CDLL(sys.argv[1]).vq_gemv_forwarded()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def forwarder(tmp_path_factory):
+    if gemv_forward.compiler() is None:
+        pytest.skip("needs a C compiler to build the gemv forwarder")
+    return str(gemv_forward.build(tmp_path_factory.mktemp("gemv")))
+
+
+def test_the_forwarder_is_built_once_per_source(tmp_path):
+    if gemv_forward.compiler() is None:
+        pytest.skip("needs a C compiler")
+    first = gemv_forward.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert gemv_forward.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert "blas" in first.name and not list(tmp_path.glob("*.partial"))
+
+
+def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no-such-cc failed"):
+        gemv_forward.build(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@linux_only
+def test_the_forwarder_sends_vector_products_to_sgemv_and_they_are_right(forwarder):
+    good = _good()
+    assert blas.probe(good, forwarder=forwarder)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ACTIVE_ENV)}
+    env["LD_PRELOAD"] = f"{forwarder}:{good}"
+    out = subprocess.run(
+        [sys.executable, "-c", _VECTOR_PRODUCTS, forwarder],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["worst"] < 1e-3
+    assert result["forwarded"] >= 20  # each unbatched product has one row or one column
+
+
+@linux_only
+def test_a_forwarder_that_computes_wrong_fails_the_probe(tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    (tmp_path / "wrong.c").write_text(_WRONG_FORWARDER)
+    lib = tmp_path / "libwrong.so"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "wrong.c")], check=True
+    )
+    assert not blas.probe(_good(), forwarder=str(lib))
+
+
+@linux_only
+def test_the_model_agrees_with_and_without_the_forwarder(default_model_dir, forwarder):
+    good = _good()
+    alone = _compute(default_model_dir, good)
+    forwarded = _compute(default_model_dir, f"{forwarder}:{good}")
+    assert "libvqblas-gemv" in forwarded["blas"] and "libvqblas-gemv" not in alone["blas"]
+    worst = max(abs(x - y) for x, y in zip(alone["logits"], forwarded["logits"], strict=True))
+    assert worst < 1e-3

@@ -30,17 +30,26 @@ _PATTERNS = (
     "/usr/local/lib/libopenblas.so.0",
     "/opt/homebrew/opt/openblas/lib/libopenblas.so",
 )
-# Runs in the probe child: a product MLX must compute right, and proof the library is mapped.
+# Runs in the probe child: products MLX must compute right (general, one row, one column, with
+# transposed operands), and proof the library (and the gemv forwarder, if given) is mapped and used.
 _PROBE = r"""
-import sys
+import ctypes, sys
 import mlx.core as mx
-a = mx.random.normal((96, 80), key=mx.random.key(1))
-b = mx.random.normal((80, 72), key=mx.random.key(2))
-got = a @ b
-want = (a[:, :, None] * b[None, :, :]).sum(axis=1)
-ok = mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+def check(a, b):
+    want = (a[:, :, None] * b[None, :, :]).sum(axis=1)
+    return mx.allclose(a @ b, want, rtol=1e-4, atol=1e-4).item()
+key = iter(range(1, 100))
+def rand(*shape):
+    return mx.random.normal(shape, key=mx.random.key(next(key)))
+ok = check(rand(96, 80), rand(80, 72))
+for m, k, n in ((1, 80, 72), (96, 80, 1), (1, 80, 1), (1, 1, 5)):
+    ok = ok and check(rand(m, k), rand(k, n)) and check(rand(k, m).T, rand(n, k).T)
+    ok = ok and check(rand(m, k), rand(n, k).T) and check(rand(k, m).T, rand(k, n))
 maps = open("/proc/self/maps").read()
-sys.exit(0 if ok and sys.argv[1] in maps else 3)
+ok = ok and all(path in maps for path in sys.argv[1:])
+if len(sys.argv) > 2:
+    ok = ok and ctypes.CDLL(sys.argv[2]).vq_gemv_forwarded() > 0
+sys.exit(0 if ok else 3)
 """
 
 
@@ -55,15 +64,20 @@ def candidates() -> list[str]:
     return found
 
 
-def probe(path: str, timeout: float = 120.0) -> bool:
-    """True if MLX, with ``path`` preloaded in a child process, maps it and multiplies right."""
-    if not os.path.isfile(path):
+def probe(path: str, timeout: float = 120.0, forwarder: str | None = None) -> bool:
+    """True if MLX, with ``path`` preloaded in a child process, maps it and multiplies right.
+
+    With ``forwarder`` (the gemv forwarder library) preloaded in front of ``path``, it must also
+    have sent the one-row and one-column products to sgemv.
+    """
+    if not os.path.isfile(path) or (forwarder is not None and not os.path.isfile(forwarder)):
         return False
-    env = dict(os.environ, LD_PRELOAD=_preload_value(path, ""), **{ACTIVE_ENV: path})
-    real = os.path.realpath(path)
+    libs = [path] if forwarder is None else [forwarder, path]
+    env = dict(os.environ, LD_PRELOAD=":".join(libs), **{ACTIVE_ENV: path})
+    real = [os.path.realpath(lib) for lib in libs]
     try:
         result = subprocess.run(
-            [sys.executable, "-c", _PROBE, real],
+            [sys.executable, "-c", _PROBE, *real[::-1]],
             env=env,
             capture_output=True,
             timeout=timeout,
@@ -100,13 +114,16 @@ def select(
 def ensure_blas(
     setting: str = "auto",
     *,
+    gemv: bool = True,
     argv: Sequence[str] | None = None,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
 ) -> str:
     """Re-execute this process with an optimized BLAS preloaded, if one is chosen and not loaded.
 
+    With ``gemv``, the gemv forwarder (``gemv_forward``) is built, probed and preloaded in front
+    of the chosen library; if it cannot be, a one-line notice says why and the BLAS runs alone.
     Call it first thing in an entry point, before MLX is imported. Returns a description of the
-    BLAS in use when it does not re-execute ("bundled" or the preloaded path).
+    BLAS in use when it does not re-execute ("bundled" or the preloaded paths).
 
     Raises:
         ValueError: For an explicit path that is missing or fails the probe.
@@ -122,9 +139,25 @@ def ensure_blas(
                 "(install libopenblas0-pthread for 5-50x faster matmuls)"
             )
         return "bundled"
+    libs = [chosen]
+    if gemv:
+        from veloxquant_mlx import gemv_forward
+
+        try:
+            forwarder = str(gemv_forward.build())
+        except (OSError, RuntimeError) as exc:
+            log(f"blas: gemv forwarder not built ({exc}); one-row products use sgemm")
+        else:
+            if probe(chosen, forwarder=forwarder):
+                libs.insert(0, forwarder)
+            else:
+                log(f"blas: gemv forwarder {forwarder} failed its probe; not used")
     env = dict(os.environ)
-    env["LD_PRELOAD"] = _preload_value(chosen, env.get("LD_PRELOAD", ""))
-    env[ACTIVE_ENV] = chosen
+    preload = env.get("LD_PRELOAD", "")
+    for lib in reversed(libs):
+        preload = _preload_value(lib, preload)
+    env["LD_PRELOAD"] = preload
+    env[ACTIVE_ENV] = " + ".join(reversed(libs))
     args = list(argv) if argv is not None else [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()

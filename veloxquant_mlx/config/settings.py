@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     blas: str = Field("auto", description="auto | off | PATH: optimized BLAS for MLX on Linux.")
+    blas_gemv: bool = Field(
+        True,
+        description="Preload the gemv forwarder with the optimized BLAS: one-row float32 "
+        "matmuls (a one-sequence decode step) go to sgemv (built with the C compiler).",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
 
     @model_validator(mode="after")

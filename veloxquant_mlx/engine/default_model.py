@@ -8,10 +8,11 @@ an ordinary mlx_lm model directory, loaded with ``mlx_lm.load`` like any other.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from veloxquant_mlx.config.paths import default_cache_dir
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -38,12 +39,6 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 NAME = "veloxquant-tiny-llama"
-
-
-def default_cache_dir() -> Path:
-    """Where the default model is made: ``$XDG_CACHE_HOME`` (or ``~/.cache``)/veloxquant-mlx."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "veloxquant-mlx"
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

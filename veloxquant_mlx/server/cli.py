@@ -45,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc.code, file=sys.stderr)
         return 2
     try:
-        blas = ensure_blas(settings.blas)  # may re-execute this process with a BLAS preloaded
+        blas = ensure_blas(
+            settings.blas, gemv=settings.blas_gemv
+        )  # may re-execute this process with a BLAS preloaded
     except ValueError as exc:
         print(f"veloxquant-serve: {exc}", file=sys.stderr)
         return 2
