@@ -139,13 +139,15 @@ void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float alpha, const 
 unsigned long vq_gemv_forwarded(void) { return 1; }
 """
 
-# Child script: every one-row / one-column product layout MLX hands to cblas_sgemm, against
-# the elementwise definition, with the number of calls the forwarder sent to sgemv.
+# Child script: every one-row / one-column / few-row product layout MLX hands to cblas_sgemm,
+# against the elementwise definition, with the number of products the forwarder computed.
 _VECTOR_PRODUCTS = r"""
 import ctypes, json, sys
 import mlx.core as mx
 worst, n = 0.0, 0
-for m, k, n_ in ((1, 768, 3072), (1, 3072, 768), (40, 64, 1), (1, 1, 1), (1, 7, 1)):
+shapes = [(1, 768, 3072), (1, 3072, 768), (40, 64, 1), (1, 1, 1), (1, 7, 1)]
+shapes += [(m, k, 200) for m in range(2, 10) for k in (8, 67, 768)]  # a few rows, odd k
+for m, k, n_ in shapes:
     for ta in (False, True):
         for tb in (False, True):
             n += 1
@@ -184,7 +186,7 @@ def test_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @linux_only
-def test_the_forwarder_sends_vector_products_to_sgemv_and_they_are_right(forwarder):
+def test_the_forwarder_computes_few_row_products_right(forwarder):
     good = _good()
     assert blas.probe(good, forwarder=forwarder)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ACTIVE_ENV)}
@@ -195,7 +197,8 @@ def test_the_forwarder_sends_vector_products_to_sgemv_and_they_are_right(forward
     )  # fmt: skip
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["worst"] < 1e-3
-    assert result["forwarded"] >= 20  # each unbatched product has one row or one column
+    # each unbatched product with one row or column, or 2-8 rows against a transposed matrix
+    assert result["forwarded"] >= 5 * 4 + 7 * 3 * 2
 
 
 @linux_only

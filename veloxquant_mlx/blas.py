@@ -30,8 +30,9 @@ _PATTERNS = (
     "/usr/local/lib/libopenblas.so.0",
     "/opt/homebrew/opt/openblas/lib/libopenblas.so",
 )
-# Runs in the probe child: products MLX must compute right (general, one row, one column, with
-# transposed operands), and proof the library (and the gemv forwarder, if given) is mapped and used.
+# Runs in the probe child: products MLX must compute right (general, one row, one column, a few
+# rows, transposed operands), and proof the library (and the gemv forwarder, if given) is
+# mapped and used.
 _PROBE = r"""
 import ctypes, sys
 import mlx.core as mx
@@ -42,7 +43,8 @@ key = iter(range(1, 100))
 def rand(*shape):
     return mx.random.normal(shape, key=mx.random.key(next(key)))
 ok = check(rand(96, 80), rand(80, 72))
-for m, k, n in ((1, 80, 72), (96, 80, 1), (1, 80, 1), (1, 1, 5)):
+for m, k, n in ((1, 80, 72), (96, 80, 1), (1, 80, 1), (1, 1, 5), (2, 80, 72), (5, 83, 131),
+                (8, 256, 96)):
     ok = ok and check(rand(m, k), rand(k, n)) and check(rand(k, m).T, rand(n, k).T)
     ok = ok and check(rand(m, k), rand(n, k).T) and check(rand(k, m).T, rand(k, n))
 maps = open("/proc/self/maps").read()
