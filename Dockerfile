@@ -3,7 +3,7 @@
 FROM python:3.11-slim
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libopenblas0-pthread curl \
+ && apt-get install -y --no-install-recommends libopenblas0-pthread gcc libc6-dev curl \
  && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 10001 serve

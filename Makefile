@@ -9,13 +9,14 @@ STAMP  := $(VENV)/.installed
 ARGS ?=
 
 # An optimized BLAS makes MLX's CPU matmuls 5-50x faster on Linux (see README, "Linux CPU speed");
-# promtool (Debian's prometheus package) lets the tests check /metrics the way Prometheus does.
+# gcc builds the gemv forwarder (README, "Linux CPU speed"); promtool (Debian's prometheus
+# package) lets the tests check /metrics the way Prometheus does.
 # Installed where the platform allows it (Debian/Ubuntu as root); elsewhere skipped.
-SYSTEM_PACKAGES := libopenblas0-pthread prometheus
+SYSTEM_PACKAGES := libopenblas0-pthread prometheus gcc libc6-dev
 system-deps:
 	@if [ "$$(uname)" = Linux ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
 	    && { ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
-	         || ! command -v promtool >/dev/null 2>&1; }; then \
+	         || ! command -v promtool >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; }; then \
 	  echo "installing $(SYSTEM_PACKAGES)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	     --no-install-recommends $(SYSTEM_PACKAGES)) >/dev/null 2>&1 \
@@ -52,6 +53,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.cache_bench
 	$(PY) -m benchmarks.engine_bench
 	$(PY) -m benchmarks.blas_bench
+	$(PY) -m benchmarks.gemv_bench
 
 # Load our server (start it first: make run) with a closed-loop sweep; ARGS to change it.
 loadtest: $(STAMP)

@@ -20,7 +20,18 @@ MEDIUM_CONFIG = {
     "head_dim": 64,
     "vocab_size": 8192,
 }
-CONFIGS = {"tiny": DEFAULT_CONFIG, "medium": MEDIUM_CONFIG}
+# ~105M parameters: the shape of ``scripts/make_random_model.py``'s model (``make compare``).
+LARGE_CONFIG = {
+    **DEFAULT_CONFIG,
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 2048,
+}
+CONFIGS = {"tiny": DEFAULT_CONFIG, "medium": MEDIUM_CONFIG, "100m": LARGE_CONFIG}
 
 
 def build(name: str, seed: int = 0, dtype: Any = None) -> Any:

@@ -163,9 +163,12 @@ def main() -> None:
     p.add_argument("--skip-pressure", action="store_true", help="no memory-pressure run")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
+    # Both servers on the same BLAS: theirs with it preloaded, ours choosing it itself (its
+    # default --blas auto picks the same library, and adds its gemv forwarder: --blas-gemv).
+    ours_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
+    env = dict(ours_env)
     blas = select("auto")
-    if blas:  # both servers on the same BLAS
+    if blas:
         env["LD_PRELOAD"] = blas
         env["VQ_BLAS_ACTIVE"] = blas
     import mlx.core as mx
@@ -174,7 +177,8 @@ def main() -> None:
     lines = [
         f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores; Python "
         f"{platform.python_version()}, MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}; "
-        f"BLAS {Path(blas).name if blas else 'bundled'}; both servers float32 weights.",
+        f"BLAS {Path(blas).name if blas else 'bundled'} for both (ours adds its gemv forwarder); "
+        "both servers float32 weights.",
         "",
     ]
     for name in [] if args.only_pressure else args.models.split(","):
@@ -186,7 +190,7 @@ def main() -> None:
         theirs_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path),
                       "--port", str(theirs_port)]  # fmt: skip
         ours_log, theirs_log = work / f"ours-{name}.log", work / f"theirs-{name}.log"
-        with server(ours_cmd, ours_port, env, ours_log) as ours, \
+        with server(ours_cmd, ours_port, ours_env, ours_log) as ours, \
                 server(theirs_cmd, theirs_port, env, theirs_log) as theirs:  # fmt: skip
             lt = parse([
                 "--url", f"http://127.0.0.1:{ours_port}",
@@ -205,13 +209,13 @@ def main() -> None:
             f"\nPeak resident memory: ours {rss[0]:.0f} MiB, mlx_lm.server {rss[1]:.0f} MiB.\n"
         )
     if not args.skip_pressure:
-        lines += pressure(work, env)
+        lines += pressure(work, ours_env, env)
     report = "\n".join(lines)
     Path(args.out).write_text(report + "\n")
     print(report)
 
 
-def pressure(work: Path, env: dict[str, str]) -> list[str]:
+def pressure(work: Path, ours_env: dict[str, str], env: dict[str, str]) -> list[str]:
     """Offered KV well over our budget: everything served, KV within budget, 429 only at the
     queue bound; the same load on mlx_lm.server for its peak memory."""
     from veloxquant_mlx.engine.default_model import ensure_default_model
@@ -222,7 +226,7 @@ def pressure(work: Path, env: dict[str, str]) -> list[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port", str(port),
            "--admin-key", "compare-admin", "--kv-cache-mb", "8", "--max-queue", "256"]  # fmt: skip
-    with server(cmd, port, env, work / "pressure.log") as proc:
+    with server(cmd, port, ours_env, work / "pressure.log") as proc:
         lt = parse(["--url", f"http://127.0.0.1:{port}", *load])
         s = asyncio.run(level(lt, lt.url, None, 48, "pressure c=48"))
         rss = peak_rss_mb(proc.pid)

@@ -39,6 +39,7 @@ unsigned long vq_gemv_forwarded(void) { return __atomic_load_n(&forwarded, __ATO
 
 #define MAX_ROWS 8
 #define MAX_THREADS 16
+#define SHARED_MIN_ELEMENTS (1u << 18) /* 1 MiB of float32 weights */
 typedef float v8 __attribute__((vector_size(32), aligned(4))); /* unaligned loads are fine */
 
 /* C (m x n, ldc) = alpha * A (m x k, lda) @ B^T, B stored n x k (ldb), + beta * C. */
@@ -108,8 +109,10 @@ static pthread_cond_t cv_start = PTHREAD_COND_INITIALIZER, cv_done = PTHREAD_CON
 static unsigned long generation, born_at;
 static int pending;
 
+static int job_threads; /* threads sharing the current job */
+
 static void run_share(int t) {
-    int per = ((job.n + n_threads - 1) / n_threads + 7) & ~7;
+    int per = ((job.n + job_threads - 1) / job_threads + 7) & ~7;
     int n0 = t * per, n1 = n0 + per < job.n ? n0 + per : job.n;
     if (n0 < n1) kernels[job.m](&job, n0, n1);
 }
@@ -155,8 +158,15 @@ static void start_workers(void) { /* under job_lock, no job running */
 static int few_rows(struct job j) {
     if (pthread_mutex_trylock(&job_lock) != 0) return 0;
     if (workers_pid != getpid()) start_workers();
-    pthread_mutex_lock(&mu);
     job = j;
+    /* A matrix that fits in cache is done sooner by this thread alone than by waking others. */
+    job_threads = (size_t)j.n * (size_t)j.k >= SHARED_MIN_ELEMENTS ? n_threads : 1;
+    if (job_threads == 1) {
+        run_share(0);
+        pthread_mutex_unlock(&job_lock);
+        return 1;
+    }
+    pthread_mutex_lock(&mu);
     pending = n_threads - 1;
     generation++;
     pthread_cond_broadcast(&cv_start);
