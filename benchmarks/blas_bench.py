@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+from benchmarks.child import run_child
 from veloxquant_mlx import blas
 
 PROMPT, NEW_TOKENS = 512, 128
@@ -61,18 +59,7 @@ def child_matmul() -> None:
 
 
 def measure(name: str, preload: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ACTIVE_ENV)}
-    if preload:
-        env["LD_PRELOAD"] = preload
-        env[blas.ACTIVE_ENV] = preload
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.blas_bench", "--child", name],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.splitlines()[-1])
+    return run_child("benchmarks.blas_bench", ["--child", name], preload)
 
 
 def main() -> None:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+from benchmarks.child import run_child
 from veloxquant_mlx import blas, gemv_forward
 
 CONTEXT, STEPS = 128, 16
@@ -47,17 +45,7 @@ def child(name: str, rows: list[int]) -> None:
 
 
 def measure(name: str, rows: str, preload: str) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.ACTIVE_ENV)}
-    env["LD_PRELOAD"] = preload
-    env[blas.ACTIVE_ENV] = preload
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gemv_bench", "--child", name, "--rows", rows],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.splitlines()[-1])
+    return run_child("benchmarks.gemv_bench", ["--child", name, "--rows", rows], preload)
 
 
 def main() -> None:

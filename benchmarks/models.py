@@ -20,7 +20,7 @@ MEDIUM_CONFIG = {
     "head_dim": 64,
     "vocab_size": 8192,
 }
-# ~105M parameters: the shape of ``scripts/make_random_model.py``'s model (``make compare``).
+# ~105M parameters: also the model ``scripts/make_random_model.py`` writes (``make compare``).
 LARGE_CONFIG = {
     **DEFAULT_CONFIG,
     "hidden_size": 768,

@@ -10,17 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from veloxquant_mlx.engine.default_model import write_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for benchmarks/
 
-CONFIG_100M = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "intermediate_size": 3072,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "vocab_size": 2048,
-}
+from benchmarks.models import LARGE_CONFIG
+from veloxquant_mlx.engine.default_model import write_model
 
 
 def main() -> None:
@@ -29,7 +22,7 @@ def main() -> None:
         print(f"{target}: already there")
         return
     target.mkdir(parents=True, exist_ok=True)
-    write_model(target, CONFIG_100M, seed=100)
+    write_model(target, LARGE_CONFIG, seed=100)
     print(f"wrote {target}")
 
 
