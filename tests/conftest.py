@@ -17,7 +17,8 @@ from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 def pytest_configure(config: pytest.Config) -> None:
     """Re-execute pytest once with an optimized BLAS and the gemv forwarder preloaded.
 
-    VQ_BLAS=off: the bundled BLAS; VQ_BLAS_GEMV=0: the optimized BLAS alone.
+    VQ_BLAS=off: the bundled BLAS; VQ_BLAS_GEMV=1: the gemv forwarder too (opt-in, as in the
+    server).
 
     Output capture is stopped first, so the re-executed run writes to the real terminal.
     """
@@ -26,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()
-    gemv = os.environ.get("VQ_BLAS_GEMV", "true").lower() not in ("0", "false", "no", "off")
+    gemv = os.environ.get("VQ_BLAS_GEMV", "false").lower() in ("1", "true", "yes", "on")
     ensure_blas(os.environ.get("VQ_BLAS", "auto"), gemv=gemv)
     if capture is not None:  # not re-executed: nothing better found; carry on as we are
         capture.start_global_capturing()

@@ -12,8 +12,13 @@ import pytest
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.engine import Engine
 from veloxquant_mlx.engine.types import (
+    CAPACITY_REDUCED,
+    DRAINING,
+    ENGINE_FAILED,
+    REQUEST_FAILED,
     CapacityReducedError,
     EngineNotReadyError,
+    InvalidRequestError,
     FinishEvent,
     GenerationRequest,
     QueueFullError,
@@ -221,7 +226,8 @@ def test_engine_death_fails_every_request_cleanly(make_engine):
     handles = [engine.submit(request(p, max_tokens=50)) for p in prompts(engine, 4)]
     for h in handles:
         _, finish = h.collect(30)
-        assert finish.finish_reason == "error" and "injected fault" in finish.error
+        assert finish.finish_reason == "error" and finish.error_code == ENGINE_FAILED
+        assert "RuntimeError" in finish.error and "injected" not in finish.error  # no details
     deadline = time.monotonic() + 10
     while engine.alive and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -231,14 +237,18 @@ def test_engine_death_fails_every_request_cleanly(make_engine):
     assert engine.pool.stats.blocks_in_use() == 0
 
 
-def test_shutdown_drains_running_and_cancels_waiting(make_engine):
+def test_shutdown_drains_running_and_fails_waiting_with_draining(make_engine):
     engine = make_engine(n_blocks=2 * 160)
     ps = prompts(engine, 4)
     handles = [engine.submit(request(p[:8], max_tokens=20)) for p in ps]
     time.sleep(0.02)
     engine.shutdown(drain_timeout=30)
-    reasons = [h.collect(5)[1].finish_reason for h in handles]
-    assert set(reasons) <= {"length", "cancelled"} and reasons[0] == "length"
+    finishes = [h.collect(5)[1] for h in handles]
+    assert finishes[0].finish_reason == "length"
+    for f in finishes[1:]:
+        assert f.finish_reason == "length" or (
+            f.finish_reason == "error" and f.error_code == DRAINING
+        )
     assert not engine.alive
     with pytest.raises(EngineNotReadyError):
         engine.submit(request(ps[0]))
@@ -319,7 +329,10 @@ def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
     from veloxquant_mlx.engine.handle import RequestHandle
     from veloxquant_mlx.engine.running import Running
 
-    run = Running(RequestHandle(1, request([1, 2, 3])), detokenizer=None, end=8)  # type: ignore[arg-type]
+    from veloxquant_mlx.engine.faults import RequestFault
+
+    handle = RequestHandle(1, request([1, 2, 3]))
+    run = Running(handle, detokenizer=None, end=8, fault=RequestFault(1, []))  # type: ignore[arg-type]
 
     def make(t: float) -> TokenEvent:
         event = TokenEvent(0, "x", t)
@@ -360,3 +373,146 @@ def test_requests_admitted_together_are_prefilled_shortest_first(make_engine):
     assert first_token_times == sorted(first_token_times, reverse=True)
     assert first_token_times[-1] < first_token_times[0]
     blocker.collect(60)
+
+
+# ---------------------------------------------------------------------- fault isolation
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", "vocab"), ("top_k", "vocab+1"), ("prompt", "vocab"), ("logit_bias", "vocab")],
+)
+def test_submit_rejects_what_the_model_cannot_take(engine, field, value):
+    vocab = engine.vocab_size
+    bad = vocab + (1 if value.endswith("+1") else 0)
+    prompt, sampling = [1, 2, 3], SamplingParams(temperature=1.0)
+    if field == "top_k":
+        sampling = SamplingParams(temperature=1.0, top_k=bad)
+    elif field == "prompt":
+        prompt = [1, bad]
+    else:
+        sampling = SamplingParams(temperature=1.0, logit_bias=((bad, 1.0),))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.submit(GenerationRequest(tuple(prompt), 4, sampling))
+    assert info.value.param == field
+    assert engine.stats().rejections_total.get("invalid") == 1
+
+
+def test_any_int64_or_uint64_seed_samples_and_negative_seeds_are_reproducible(engine):
+    for seed in (-1, -(2**63), 2**63, 2**64 - 1):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        a = engine.submit(GenerationRequest((1, 2, 3), 6, sampling)).collect(30)
+        b = engine.submit(GenerationRequest((1, 2, 3), 6, sampling)).collect(30)
+        assert a[1].finish_reason == "length"
+        assert [t.token_id for t in a[0]] == [t.token_id for t in b[0]]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+
+
+def test_a_failing_sampler_fails_its_request_alone(engine, monkeypatch):
+    """The issue's crash: top_k at the vocabulary raised inside the batched step and killed the
+    engine. With the edge check bypassed, the real sampler still fails: only its request ends."""
+    monkeypatch.setattr(engine, "_validate", lambda request: None)
+    ps = prompts(engine, 3)
+    good = [engine.submit(request(p, max_tokens=40)) for p in ps[:2]]
+    time.sleep(0.05)  # the good ones are decoding
+    bad = engine.submit(
+        GenerationRequest(
+            tuple(ps[2]), 40, SamplingParams(temperature=1.0, top_k=engine.vocab_size)
+        )
+    )
+    tokens, finish = bad.collect(30)
+    assert finish.finish_reason == "error" and finish.error_code == REQUEST_FAILED
+    assert "sampler" in finish.error and "ValueError" in finish.error
+    for h in good:
+        assert h.collect(30)[1].finish_reason == "length"
+    assert engine.alive and engine.ready
+    after = engine.submit(request(ps[0], max_tokens=5)).collect(30)
+    assert after[1].finish_reason == "length"
+
+
+class FailsAtFifthToken:
+    """A real detokenizer that raises at its 5th token (fault injection)."""
+
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+
+    def add_token(self, token):
+        self.n += 1
+        if self.n == 5:
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "bug")
+        return self.inner.add_token(token)
+
+    def finalize(self):
+        return self.inner.finalize()
+
+
+def test_a_failing_processor_or_detokenizer_fails_its_request_alone(engine, monkeypatch):
+    """Fault injection into the real step: one request's logits processor raises at its 3rd
+    token, another's detokenizer at its 5th; the third request is untouched."""
+    from veloxquant_mlx.engine import loop
+
+    real_processors, real_factory = loop.make_processors, engine._new_detokenizer
+
+    def processors(params):
+        if params.presence_penalty != 1.5:
+            return real_processors(params)
+        calls = {"n": 0}
+
+        def explode(tokens, logits):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("processor bug")
+            return logits
+
+        return [explode]
+
+    made = {"n": 0}
+
+    def detokenizer():
+        made["n"] += 1
+        detok = real_factory()
+        return detok if made["n"] != 2 else FailsAtFifthToken(detok)
+
+    monkeypatch.setattr(loop, "make_processors", processors)
+    monkeypatch.setattr(engine, "_new_detokenizer", detokenizer)
+    ps = prompts(engine, 3)
+    faulty = engine.submit(
+        GenerationRequest(tuple(ps[0]), 30, SamplingParams(temperature=0.0, presence_penalty=1.5))
+    )
+    time.sleep(0.02)
+    broken_text = engine.submit(request(ps[1], max_tokens=30))
+    fine = engine.submit(request(ps[2], max_tokens=30))
+    f1, f2 = faulty.collect(30)[1], broken_text.collect(30)[1]
+    assert (f1.finish_reason, f1.error_code) == ("error", REQUEST_FAILED)
+    assert "logits processor" in f1.error
+    assert (f2.finish_reason, f2.error_code) == ("error", REQUEST_FAILED)
+    assert "detokenizer" in f2.error
+    assert fine.collect(30)[1].finish_reason == "length"
+    assert engine.alive
+
+
+def test_drain_deadline_fails_running_requests_with_draining(make_engine):
+    engine = make_engine(n_blocks=2 * 400)
+    h = engine.submit(request(prompts(engine, 1)[0], max_tokens=300))
+    while not h.done and engine.stats().running == 0:
+        time.sleep(0.01)
+    engine.shutdown(drain_timeout=0.05)
+    tokens, finish = h.collect(10)
+    assert (finish.finish_reason, finish.error_code) == ("error", DRAINING)
+
+
+def test_shrink_answers_queued_requests_that_no_longer_fit_and_the_queue_moves_on(make_engine):
+    engine = make_engine(n_blocks=2 * 400, max_running=1)
+    ps = prompts(engine, 4)
+    running = engine.submit(request(ps[0][:4], max_tokens=120))
+    while engine.stats().running == 0:
+        time.sleep(0.01)
+    big = engine.submit(request(ps[1][:4], max_tokens=300))  # fits the pool, queued behind
+    small = engine.submit(request(ps[2][:4], max_tokens=8))
+    # Retire all that is not promised to the running request: `big` can no longer ever fit.
+    engine.shrink("kv", 0)
+    tokens, finish = big.collect(10)
+    assert (finish.finish_reason, finish.error_code) == ("error", CAPACITY_REDUCED)
+    assert small.collect(30)[1].finish_reason == "length"  # not stuck behind it
+    assert running.collect(30)[1].finish_reason == "length"

@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     grow_on_exhaustion: bool = Field(False, description="Let the pool grow up to --max-blocks.")
     max_blocks: int | None = Field(None, ge=1, description="Cap on blocks when growing.")
     max_running: int = Field(32, ge=1, le=1024, description="Requests decoded together at most.")
-    max_queue: int = Field(256, ge=0, description="Requests waiting at most (then 429).")
+    max_queue: int = Field(256, ge=1, description="Requests waiting at most (then 429).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
     prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
@@ -75,11 +75,26 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     blas: str = Field("auto", description="auto | off | PATH: optimized BLAS for MLX on Linux.")
     blas_gemv: bool = Field(
-        True,
-        description="Preload the gemv forwarder with the optimized BLAS: one-row float32 "
-        "matmuls (a one-sequence decode step) go to sgemv (built with the C compiler).",
+        False,
+        description="Experimental, Linux CPU: build (with the C compiler) and preload the gemv "
+        "forwarder in front of the optimized BLAS (few-row float32 matmuls go to sgemv).",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, le=16 << 20, description="Largest request line + headers (431)."
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a request's line and headers may take to arrive (408)."
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request's body may take to arrive (408)."
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle connection is kept open (then closed)."
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="Open connections at most; more are answered 503 and closed."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -25,3 +25,6 @@ class EngineConfig:
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
     stream_interval: float = 0.025
+    # The smallest request the pool must be able to hold, or the engine refuses to start
+    # (a server that would answer every request with 400 is a configuration error).
+    min_request_tokens: int = 2

@@ -17,6 +17,7 @@ from veloxquant_mlx.engine.types import (
     EngineNotReadyError,
     EngineStats,
     GenerationRequest,
+    InvalidRequestError,
     QueueFullError,
     RequestTooLargeError,
 )
@@ -59,6 +60,7 @@ class Engine(EngineLoop):
         self._alive = False
         self._load_error = None
         self._running = {}  # engine thread only
+        self._faulted = []  # engine thread only
         self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
         # Set on the engine thread during load, read-only afterwards (types: EngineLoop).
         self.pool = None
@@ -68,6 +70,7 @@ class Engine(EngineLoop):
         self.kv_bytes_per_block = 0
         self.blas = "unknown"
         self.device = "unknown"
+        self.vocab_size = 0
         self._model = None
         self._new_detokenizer = None
         self._generator = None
@@ -128,9 +131,12 @@ class Engine(EngineLoop):
             EngineNotReadyError: Still loading, draining, or the engine thread is dead.
             RequestTooLargeError: Over the context window, or more than the whole pool at its
                 maximum size could ever hold.
+            InvalidRequestError: A token id or ``top_k`` outside the model's vocabulary.
             QueueFullError: The waiting queue is at ``max_queue``.
         """
         end = len(request.prompt_tokens) + request.max_tokens
+        if self.ready:
+            self._validate(request)
         with self._lock:
             if not self.ready or self._draining:
                 self._counters.rejected[EngineNotReadyError.reason] += 1
@@ -165,6 +171,22 @@ class Engine(EngineLoop):
             self._waiting.append(handle)
             self._lock.notify_all()
         return handle
+
+    def _validate(self, request: GenerationRequest) -> None:
+        """What would fail on the engine thread, checked on the caller's: ids and top_k."""
+        vocab = self.vocab_size
+        problem: tuple[str, str] | None = None
+        sampling = request.sampling
+        if any(not 0 <= t < vocab for t in request.prompt_tokens):
+            problem = f"token ids must be in [0, {vocab})", "prompt"
+        elif sampling.top_k >= vocab:
+            problem = f"top_k must be below the vocabulary size {vocab} (0 or -1: off)", "top_k"
+        elif any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
+            problem = f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias"
+        if problem is not None:
+            with self._lock:
+                self._counters.rejected[InvalidRequestError.reason] += 1
+            raise InvalidRequestError(*problem)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a queued or running request; its blocks are freed within one step."""

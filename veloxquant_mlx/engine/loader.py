@@ -66,6 +66,7 @@ class Runtime:
     kv_bytes_per_block: int
     blas: str
     device: str
+    vocab_size: int
 
 
 def build_runtime(cfg: EngineConfig) -> Runtime:
@@ -108,7 +109,26 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         blas,
     )
     admission = Admission(pool, geometry.n_layers, default_step(pool))
+    if not admission.could_ever_fit(cfg.min_request_tokens):
+        per_request = admission.need([cfg.min_request_tokens]) * 2 * per_block
+        raise ValueError(
+            f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
+            f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "
+            f"and the default max_tokens), which needs {per_request / 2**20:.1f} MiB: raise "
+            "--kv-cache-mb or --n-blocks, or lower --default-max-tokens"
+        )
     device = str(mx.default_device())
+    vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     return Runtime(
-        model, tokenizer, name, geometry, pool, admission, generator, per_block, blas, device
+        model,
+        tokenizer,
+        name,
+        geometry,
+        pool,
+        admission,
+        generator,
+        per_block,
+        blas,
+        device,
+        vocab_size,
     )

@@ -17,11 +17,21 @@ from veloxquant_mlx.cache import build_pooled_caches
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import Detokenizer, detokenizer_factory
+from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
 from veloxquant_mlx.engine.sizing import Admission, KVGeometry
-from veloxquant_mlx.engine.types import EngineNotReadyError, FinishEvent, TokenEvent, Usage
+from veloxquant_mlx.engine.types import (
+    CAPACITY_REDUCED,
+    DRAINING,
+    ENGINE_FAILED,
+    REQUEST_FAILED,
+    EngineNotReadyError,
+    FinishEvent,
+    TokenEvent,
+    Usage,
+)
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -68,6 +78,8 @@ class EngineLoop:
     _new_detokenizer: Callable[[], Detokenizer] | None
     _generator: Any
     _admission: Admission | None
+    vocab_size: int
+    _faulted: list[RequestFault]  # faults recorded since the last step's check
     _n_running = 0  # mirrored under the lock for stats()
     _promised = 0
     _changed = False  # the running set changed since the last _publish
@@ -87,7 +99,7 @@ class EngineLoop:
             self._loop()
         except BaseException as exc:
             log.exception("engine thread died")
-            self._fail_all(f"engine failure: {type(exc).__name__}: {exc}")
+            self._fail_all(f"the engine failed ({type(exc).__name__}); the server is restarting")
         finally:
             self._alive = False
             self._release_everything()
@@ -107,6 +119,7 @@ class EngineLoop:
             rt.blas,
         )
         self.device = rt.device
+        self.vocab_size = rt.vocab_size
         self._new_detokenizer = detokenizer_factory(rt.tokenizer)
 
     def _loop(self) -> None:
@@ -148,14 +161,24 @@ class EngineLoop:
             self._admit()
 
     def _finish_draining(self) -> bool:
-        """While draining: cancel the waiting, and past the deadline the running. True: done."""
-        self._cancel_waiting("the server is shutting down")
+        """While draining: fail the waiting at once, and past the deadline the running (both
+        with DRAINING: the client should retry elsewhere). True: nothing is left."""
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for h in waiting:
+            self._push_finish(h, "error", 0, 0, error="the server is shutting down", code=DRAINING)
         if not self._running:
             return True
         deadline = self._drain_deadline
         if deadline is not None and time.monotonic() >= deadline:
             for uid in list(self._running):
-                self._finish(uid, "cancelled", error=None)
+                self._finish(
+                    uid,
+                    "error",
+                    error="the server shut down before this request finished",
+                    code=DRAINING,
+                )
             return True
         return False
 
@@ -174,16 +197,23 @@ class EngineLoop:
         assert self._admission is not None and self.pool is not None
         ends = [r.end for r in self._running.values()]
         admitted: list[tuple[RequestHandle, int]] = []
+        unservable: list[RequestHandle] = []
         with self._lock:
             while self._waiting and len(ends) < self.config.max_running:
                 head = self._waiting[0]
                 end = len(head.request.prompt_tokens) + head.request.max_tokens
                 if not self._admission.fits([*ends, end]):
-                    break  # FIFO: nobody overtakes the head
+                    if self._admission.could_ever_fit(end):
+                        break  # FIFO: nobody overtakes the head
+                    self._waiting.popleft()  # a shrink made it unservable: answer, move on
+                    unservable.append(head)
+                    continue
                 self._waiting.popleft()
                 self._counters.prompt_tokens += len(head.request.prompt_tokens)
                 ends.append(end)
                 admitted.append((head, end))
+        for h in unservable:
+            self._push_capacity_reduced(h)
         admitted.sort(key=lambda item: len(item[0].request.prompt_tokens))
         for i, (handle, end) in enumerate(admitted):
             try:
@@ -193,23 +223,42 @@ class EngineLoop:
                     self._waiting.extendleft(h for h, _ in reversed(admitted[i:]))
                 raise
 
+    def _push_capacity_reduced(self, handle: RequestHandle) -> None:
+        self._push_finish(
+            handle,
+            "error",
+            0,
+            0,
+            error="the KV pool has been shrunk below what this request needs; "
+            "try again later or with a smaller max_tokens",
+            code=CAPACITY_REDUCED,
+        )
+
     def _start(self, handle: RequestHandle, end: int) -> None:
+        """Put one admitted request into the batch. A failure of the request's own parts (its
+        sampler's random key, its processors, its caches) fails it alone."""
         assert self.pool is not None and self._new_detokenizer is not None
         request = handle.request
         owner = handle.request_id
+        fault = RequestFault(owner, self._faulted)
         try:
+            sampler = make_sampler(request.sampling)
+            processors = make_processors(request.sampling)
+            detokenizer = self._new_detokenizer()
             caches = build_pooled_caches(self._model, self.pool, owner=owner)
             uid = self._generator.insert(
                 [list(request.prompt_tokens)],
                 [request.max_tokens],
                 caches=[caches],
-                samplers=[make_sampler(request.sampling)],
-                logits_processors=[make_processors(request.sampling)],
+                samplers=[None if sampler is None else fault.sampler(sampler)],
+                logits_processors=[[fault.processor(p) for p in processors]],
             )[0]
-        except BaseException:
+        except Exception as exc:
             self.pool.free_all(owner)
-            raise
-        self._running[uid] = Running(handle, self._new_detokenizer(), end)
+            fault.record("setup", exc)
+            self._push_finish(handle, "error", 0, 0, error=fault.error, code=REQUEST_FAILED)
+            return
+        self._running[uid] = Running(handle, detokenizer, end, fault)
         self._changed = True
 
     def _step(self) -> None:
@@ -226,17 +275,27 @@ class EngineLoop:
             if run.n_generated % 16 == 0 or r.finish_reason is not None:  # growth is in chunks
                 blocks = self.pool.n_blocks_for(run.handle.request_id)
                 run.peak_blocks = max(run.peak_blocks, blocks)
+            if run.fault.error is not None:
+                continue  # ended below; this step's token came from the stand-in
             if r.finish_reason == "stop":  # EOS: not part of the text
                 finished.append((r.uid, "stop"))
                 continue
-            text, stopped = run.add_token(r.token)
-            logprob, top = run.logprobs(r.token, r.logprobs)
+            try:  # this request's own text, stop strings and logprobs: its fault alone
+                text, stopped = run.add_token(r.token)
+                logprob, top = run.logprobs(r.token, r.logprobs)
+            except Exception as exc:
+                run.fault.record("detokenizer or logprobs", exc)
+                continue
             run.pending.append(TokenEvent(r.token, text, now, logprob, top))
             if stopped:
                 finished.append((r.uid, "stop"))
             elif r.finish_reason == "length":
                 finished.append((r.uid, "length"))
-        ending = {uid for uid, _ in finished}
+        failed: list[int] = []
+        if self._faulted:  # a fault can also come from a row with no token this step (prefill)
+            self._faulted.clear()
+            failed = [uid for uid, run in self._running.items() if run.fault.error is not None]
+        ending = {uid for uid, _ in finished}.union(failed)
         interval = self.config.stream_interval
         # Tokens go out when some request is due (its first token, `interval` since its last
         # delivery, its finish), and then everyone's pending tokens go along: each delivery
@@ -247,8 +306,10 @@ class EngineLoop:
             self._counters.generated_tokens += len(stepped)
         for uid, reason in finished:
             self._finish(uid, reason, error=None)
+        for uid in failed:
+            self._finish(uid, "error", error=self._running[uid].fault.error, code=REQUEST_FAILED)
 
-    def _finish(self, uid: int, reason: str, error: str | None) -> None:
+    def _finish(self, uid: int, reason: str, error: str | None, code: str | None = None) -> None:
         """End a running request: out of the batch, blocks back, FinishEvent. Exactly once."""
         assert self.pool is not None
         run = self._running.pop(uid)
@@ -258,8 +319,16 @@ class EngineLoop:
         finally:
             self.pool.free_all(run.handle.request_id)
             RequestHandle.push_tokens([(run.handle, run.take_all(time.monotonic()))])
-            tail = run.flush() if reason in ("length", "stop") else ""
-            self._push_finish(run.handle, reason, run.n_generated, run.peak_blocks, tail, error)
+            tail = ""
+            if reason in ("length", "stop"):
+                try:
+                    tail = run.flush()
+                except Exception as exc:  # its detokenizer's last words: its fault alone
+                    run.fault.record("detokenizer", exc)
+                    reason, error, code = "error", run.fault.error, REQUEST_FAILED
+            self._push_finish(
+                run.handle, reason, run.n_generated, run.peak_blocks, tail, error, code
+            )
 
     def _push_finish(
         self,
@@ -269,6 +338,7 @@ class EngineLoop:
         peak_blocks: int,
         tail: str = "",
         error: str | None = None,
+        code: str | None = None,
     ) -> None:
         usage = Usage(
             prompt_tokens=len(handle.request.prompt_tokens),
@@ -278,7 +348,7 @@ class EngineLoop:
         )
         with self._lock:
             self._counters.finished[reason] += 1
-        handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error))
+        handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error, code))
 
     def _apply_cancels(self, request_ids: set[int]) -> None:
         if not request_ids:
@@ -293,13 +363,6 @@ class EngineLoop:
             if run.handle.request_id in request_ids:
                 self._finish(uid, "cancelled", error=None)
 
-    def _cancel_waiting(self, why: str) -> None:
-        with self._lock:
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        for h in waiting:
-            self._push_finish(h, "cancelled", 0, 0, error=why)
-
     def _shrink(self, stream: str, target_free: int) -> int:
         assert self.pool is not None and self._admission is not None
         ends = [r.end for r in self._running.values()]
@@ -309,12 +372,31 @@ class EngineLoop:
             name = s if self.config.separate_kv else "kv"
             floor = self.pool.n_free(name) - self._admission.retirable(name, ends)
             retired += self.pool.shrink(name, max(target_free, floor))
+        if retired:
+            self._reject_unservable()
         return retired
+
+    def _reject_unservable(self) -> None:
+        """After a shrink: answer every waiting request that can no longer fit at all (503
+        capacity_reduced), so nobody behind it waits for a pool that will not come back."""
+        assert self._admission is not None
+        with self._lock:
+            doomed = [
+                h
+                for h in self._waiting
+                if not self._admission.could_ever_fit(
+                    len(h.request.prompt_tokens) + h.request.max_tokens
+                )
+            ]
+            for h in doomed:
+                self._waiting.remove(h)
+        for h in doomed:
+            self._push_capacity_reduced(h)
 
     def _fail_all(self, message: str) -> None:
         for uid in list(self._running):
             try:
-                self._finish(uid, "error", error=message)
+                self._finish(uid, "error", error=message, code=ENGINE_FAILED)
             except BaseException:  # the batch itself may be broken: still tell the caller
                 log.exception("while failing request %d", uid)
         self._running.clear()
@@ -325,7 +407,7 @@ class EngineLoop:
             commands = list(self._commands)
             self._commands.clear()
         for h in waiting:
-            self._push_finish(h, "error", 0, 0, error=message)
+            self._push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
         for _, future in commands:
             future.set_exception(EngineNotReadyError(message))
 

@@ -7,19 +7,21 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.detokenize import Detokenizer
+from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.stops import StopMatcher
 from veloxquant_mlx.engine.types import TokenEvent
 
 
 class Running:
-    """One admitted request on the engine thread. Owns its detokenizer, stop matcher and the
-    token events not yet delivered to its handle (``pending``, oldest first)."""
+    """One admitted request on the engine thread. Owns its detokenizer, stop matcher, fault cell
+    and the token events not yet delivered to its handle (``pending``, oldest first)."""
 
     __slots__ = (
         "delivered_at",
         "detokenizer",
         "end",
+        "fault",
         "handle",
         "n_generated",
         "peak_blocks",
@@ -27,8 +29,11 @@ class Running:
         "stops",
     )
 
-    def __init__(self, handle: RequestHandle, detokenizer: Detokenizer, end: int) -> None:
+    def __init__(
+        self, handle: RequestHandle, detokenizer: Detokenizer, end: int, fault: RequestFault
+    ) -> None:
         self.handle = handle
+        self.fault = fault
         self.end = end
         self.detokenizer = detokenizer
         self.stops = StopMatcher(handle.request.stop)

@@ -21,7 +21,8 @@ def make_sampler(params: SamplingParams) -> Sampler | None:
     """
     if params.greedy:
         return None
-    state = {"key": mx.random.key(params.seed if params.seed is not None else secrets.randbits(63))}
+    seed = params.key_seed
+    state = {"key": mx.random.key(seed if seed is not None else secrets.randbits(63))}
     inv_temp = 1.0 / params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:

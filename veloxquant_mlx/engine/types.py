@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class EngineError(RuntimeError):
@@ -36,6 +37,26 @@ class EngineNotReadyError(EngineError):
     reason = "not_ready"
 
 
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine cannot run as given (a token id or sampling value out of the model's
+    range): the caller's mistake, found before it reaches the engine thread (HTTP 400).
+    ``param`` names the offending field."""
+
+    reason = "invalid"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Why a request ended without a result (``FinishEvent.error_code``): a stable label that the
+# server maps to an HTTP status (errors.py) and that the metrics count.
+CAPACITY_REDUCED = "capacity_reduced"  # a shrink left the pool too small for it (503)
+DRAINING = "draining"  # the server is shutting down (503)
+REQUEST_FAILED = "request_failed"  # this request's own sampler/processor/text failed (500)
+ENGINE_FAILED = "engine_failed"  # the engine itself failed; the process exits (503)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling. ``temperature=0`` is greedy; ``seed`` makes sampling reproducible,
@@ -52,6 +73,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
 
+    # mx.random.key takes an unsigned 64-bit seed; negative seeds (valid for OpenAI and vLLM
+    # clients) are taken modulo 2**64.
+    SEED_MIN: ClassVar[int] = -(2**63)
+    SEED_MAX: ClassVar[int] = 2**64 - 1
+
     def __post_init__(self) -> None:
         checks = (
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
@@ -61,6 +87,7 @@ class SamplingParams:
             ("top_k", self.top_k >= 0),
             ("min_p", 0.0 <= self.min_p <= 1.0),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0),
+            ("seed", self.seed is None or self.SEED_MIN <= self.seed <= self.SEED_MAX),
         )
         for name, ok in checks:
             value = getattr(self, name)
@@ -70,6 +97,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def key_seed(self) -> int | None:
+        """``seed`` as the unsigned 64-bit value ``mx.random.key`` accepts."""
+        return None if self.seed is None else self.seed % 2**64
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +160,16 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class FinishEvent:
     """The last event of a request. ``finish_reason``: "stop" (EOS or a stop string), "length"
-    (max_tokens), "cancelled", or "error" (then ``error`` says why)."""
+    (max_tokens), "cancelled" (the caller cancelled it: nobody is listening), or "error" (then
+    ``error`` says why, for the client, and ``error_code`` is one of CAPACITY_REDUCED, DRAINING,
+    REQUEST_FAILED, ENGINE_FAILED)."""
 
     finish_reason: str
     usage: Usage
     time: float
     text: str = ""  # text released at the end (held back for a stop string that did not match)
     error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

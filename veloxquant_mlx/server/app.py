@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -15,7 +15,7 @@ from veloxquant_mlx.engine.engine import Engine, EngineConfig
 from veloxquant_mlx.server import errors, routes_openai, routes_ops
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
-from veloxquant_mlx.server.middleware import BodyLimit, CORSExceptAdmin
+from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin
 
 log = logging.getLogger("veloxquant.server")
 
@@ -36,15 +36,33 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_step=settings.prefill_step,
         prefill_batch=settings.prefill_batch,
         stream_interval=settings.stream_interval_ms / 1000,
+        min_request_tokens=1 + settings.default_max_tokens,
     )
 
 
-def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    engine: Engine | None = None,
+    on_engine_failure: Callable[[], None] | None = None,
+) -> FastAPI:
     """The app for ``settings``. The lifespan starts the engine (or adopts ``engine``, already
-    started, for tests) and shuts it down with ``settings.drain_timeout``."""
+    started, for tests) and shuts it down with ``settings.drain_timeout``.
+
+    ``on_engine_failure`` is called (on the event loop) once if the engine thread dies while
+    serving: the CLI makes the process exit non-zero, for its supervisor to restart it.
+    """
     settings, generated = settings.with_admin_key()
     if generated:
         log.warning("no admin key set; generated one for this process: %s", settings.admin_key)
+
+    async def watch(eng: Engine) -> None:
+        while eng.alive or eng.draining:
+            if not eng.alive:
+                return  # drained and stopped on purpose
+            await asyncio.sleep(0.25)
+        log.critical("the engine thread has died; in-flight requests were failed; exiting")
+        if on_engine_failure is not None:
+            on_engine_failure()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,9 +73,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         name = settings.served_model_name or eng.model_name
         app.state.vq = AppState(settings, eng, Metrics(eng, name), name)
         log.info("serving %s on the block pool (%s)", name, eng.pool)
+        watcher = asyncio.create_task(watch(eng))
         try:
             yield
         finally:
+            watcher.cancel()
             app.state.vq.draining = True
             if own:
                 await asyncio.to_thread(eng.shutdown, settings.drain_timeout)
@@ -73,7 +93,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.admin)
+    # Outermost last: CORS (so a 401 carries its headers), then keys, then the body.
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    assert settings.admin_key is not None
+    app.add_middleware(AuthGate, api_key=settings.api_key, admin_key=settings.admin_key)
     if settings.cors_origins:
         app.add_middleware(CORSExceptAdmin, origins=settings.cors_origins)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

@@ -61,37 +61,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from veloxquant_mlx.server.app import create_app
+    from veloxquant_mlx.server.edge import EdgeLimits, protocol_class
 
-    app = create_app(settings)
+    exit_code = 0
+
+    def engine_failed() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    app = create_app(settings, on_engine_failure=engine_failed)
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT: stop admitting and let running requests finish, then exit."""
+        """On SIGTERM/SIGINT: keep listening, answer new requests 503 (with Retry-After), fail
+        the queued ones the same way, let running requests finish within --drain-timeout, then
+        stop. A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             state = getattr(app.state, "vq", None)
-            if state is not None and not state.draining:
-                state.draining = True
-                log.info("draining: up to %.0fs for running requests", settings.drain_timeout)
-                threading.Thread(
-                    target=state.engine.shutdown, args=(settings.drain_timeout,), daemon=True
-                ).start()
-            # As uvicorn's, minus re-raising the signal at exit: a drained stop exits 0.
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
+            if state is None or state.draining:  # not serving yet, or the second signal
                 self.should_exit = True
+                if sig == signal.SIGINT and state is not None:
+                    self.force_exit = True
+                return
+            state.draining = True
+            log.info("draining: up to %.0fs for running requests", settings.drain_timeout)
+
+            def drain() -> None:
+                state.engine.shutdown(settings.drain_timeout)
+                log.info("drained; stopping")
+                self.should_exit = True  # uvicorn's main loop polls it
+
+            threading.Thread(target=drain, name="veloxquant-drain", daemon=True).start()
 
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=protocol_class(
+            EdgeLimits(
+                max_connections=settings.max_connections,
+                max_header_bytes=settings.max_header_bytes,
+                header_timeout=settings.header_timeout,
+            )
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout) + 10,
+        timeout_graceful_shutdown=10,
         workers=1,
     )
-    DrainingServer(config).run()
-    return 0
+    server = DrainingServer(config)
+    server.run()
+    if not server.started:
+        log.error("the server did not start (see above)")
+        return 3
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
-"""Request-scoped dependencies: the app's long-lived objects and key checks."""
+"""Request-scoped dependencies: the app's long-lived objects (keys are checked by AuthGate)."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,30 +31,3 @@ def state(request: Request) -> AppState:
             503, "the server is starting", code="not_ready", headers={"Retry-After": "5"}
         )
     return st
-
-
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def _check(request: Request, key: str | None, what: str) -> None:
-    if key is None:
-        return
-    given = _bearer(request)
-    if given is None or not secrets.compare_digest(given.encode(), key.encode()):
-        raise APIError(
-            401,
-            f"missing or wrong {what} key (send 'Authorization: Bearer <key>')",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
-def require_api_key(request: Request) -> None:
-    _check(request, state(request).settings.api_key, "API")
-
-
-def require_admin_key(request: Request) -> None:
-    _check(request, state(request).settings.admin_key, "admin")

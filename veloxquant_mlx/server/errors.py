@@ -11,8 +11,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from veloxquant_mlx.engine.types import (
+    CAPACITY_REDUCED,
+    DRAINING,
+    REQUEST_FAILED,
     CapacityReducedError,
     EngineNotReadyError,
+    FinishEvent,
+    InvalidRequestError,
     QueueFullError,
     RequestTooLargeError,
 )
@@ -25,7 +30,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -78,7 +85,26 @@ def from_engine(exc: Exception) -> APIError:
         return APIError(503, str(exc), code="capacity_reduced", headers={"Retry-After": "5"})
     if isinstance(exc, EngineNotReadyError):
         return APIError(503, str(exc), code="not_ready", headers={"Retry-After": "5"})
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), code="invalid_value", param=exc.param)
     raise exc
+
+
+def from_finish(finish: FinishEvent) -> APIError:
+    """The HTTP answer to a request that ended without a result ("error" or "cancelled").
+
+    503 with Retry-After when another try (here later, or on another replica) can succeed:
+    the pool was shrunk, the server is draining, the engine failed. 500 when this request's
+    own sampler or text failed (a bug the input reached; the engine kept serving the rest).
+    """
+    message = finish.error or "the request was cancelled"
+    if finish.error_code == REQUEST_FAILED:
+        return APIError(500, message, code=REQUEST_FAILED)
+    if finish.error_code == CAPACITY_REDUCED:
+        return APIError(503, message, code=CAPACITY_REDUCED, headers={"Retry-After": "5"})
+    if finish.error_code == DRAINING:
+        return APIError(503, message, code=DRAINING, headers={"Retry-After": "1"})
+    return APIError(503, message, code="engine_error", headers={"Retry-After": "5"})
 
 
 def _describe(errors: list[Any]) -> tuple[str, str | None]:

@@ -14,10 +14,12 @@ from typing import Any
 from fastapi import Request
 
 from veloxquant_mlx.engine.engine import Engine
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.handle import Event, RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
-from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.errors import error_body, from_finish
 from veloxquant_mlx.server.metrics import Metrics
+
+RESULTS = ("stop", "length")  # the finish reasons a client may see; the rest are errors
 
 
 @dataclass(slots=True)
@@ -72,13 +74,45 @@ async def collect(
             engine.cancel(handle)
     assert outcome.finish is not None
     metrics.observe(arrived, [t.time for t in outcome.tokens], outcome.finish.time)
-    if outcome.finish.finish_reason == "error":
-        raise APIError(503, f"generation failed: {outcome.finish.error}", code="engine_error")
+    if outcome.finish.finish_reason not in RESULTS:
+        raise from_finish(outcome.finish)
     return outcome
+
+
+async def first_batch(
+    request: Request, engine: Engine, handle: RequestHandle
+) -> tuple[list[Event], AsyncIterator[list[Event]]]:
+    """Wait for a stream's first events before any byte of the response is sent, so that a
+    request that ends without a result before its first token (a shrink, a drain, its own
+    fault) is answered with its real HTTP status instead of a 200 stream.
+
+    Returns the first batch and the iterator of the rest. Raises the APIError for such an end.
+    A client that disconnects meanwhile cancels the request.
+    """
+    batches = handle.batches()
+    watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
+    try:
+        first = await anext(batches)
+    except BaseException:  # cancelled while waiting: the client is gone
+        engine.cancel(handle)
+        raise
+    finally:
+        watcher.cancel()
+    last = first[-1]
+    if isinstance(last, FinishEvent) and last.finish_reason not in RESULTS:
+        raise from_finish(last)
+    return first, batches
 
 
 def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _chain(first: list[Event], rest: AsyncIterator[list[Event]]):
+    yield first
+    if not isinstance(first[-1], FinishEvent):
+        async for batch in rest:
+            yield batch
 
 
 async def stream_events(
@@ -89,16 +123,19 @@ async def stream_events(
     chunk: Any,
     include_usage: bool,
     usage_chunk: Any,
+    first: tuple[list[Event], AsyncIterator[list[Event]]],
 ) -> AsyncIterator[bytes]:
     """SSE bytes: ``chunk(event)`` per event, then usage if asked, then ``[DONE]``. Events
-    that arrived together are written together.
+    that arrived together are written together. ``first`` is what ``first_batch`` returned.
 
     If the client goes away, Starlette cancels this generator and the request is cancelled.
+    A request that ends without a result mid-stream gets an error event (OpenAI's error shape,
+    the code saying why), then ``[DONE]``.
     """
     times: list[float] = []
     finish: FinishEvent | None = None
     try:
-        async for batch in handle.batches():
+        async for batch in _chain(*first):
             out = []
             for event in batch:
                 if isinstance(event, TokenEvent):
@@ -110,17 +147,9 @@ async def stream_events(
             if out:
                 yield b"".join(out)
         assert finish is not None
-        if finish.finish_reason == "error":
-            yield sse(
-                {
-                    "error": {
-                        "message": f"generation failed: {finish.error}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "engine_error",
-                    }
-                }
-            )
+        if finish.finish_reason not in RESULTS:
+            err = from_finish(finish)
+            yield sse(error_body(err.status, err.message, err.code))
         else:
             yield sse(chunk(finish))
             if include_usage:

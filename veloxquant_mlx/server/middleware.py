@@ -1,8 +1,11 @@
-"""ASGI middleware: request body size limit (413), and CORS everywhere but /admin."""
+"""ASGI middleware at the HTTP edge: authentication before the body, the body read whole under
+a size limit and a deadline (413, 408), and CORS everywhere but /admin."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 from typing import Any
 
 from starlette.middleware.cors import CORSMiddleware
@@ -11,64 +14,139 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from veloxquant_mlx.server.errors import error_body
 
 
-class BodyLimit:
-    """Answers 413 in OpenAI's shape when a body is (or turns out to be) over ``max_bytes``."""
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A complete JSON error response in OpenAI's shape."""
+    body = json.dumps(error_body(status, message, code)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class AuthGate:
+    """Bearer keys checked from the headers alone, before a byte of the body is read: /admin
+    needs the admin key, /v1 the API key when one is set. CORS preflights pass (they never
+    carry credentials)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str) -> None:
+        self.app = app
+        self.keys = {"/v1": api_key, "/admin": admin_key}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS":
+            path: str = scope.get("path", "")
+            for prefix, key in self.keys.items():
+                guarded = key is not None and (path == prefix or path.startswith(prefix + "/"))
+                if guarded and not self._valid(scope, key):  # type: ignore[arg-type]
+                    what = "admin" if prefix == "/admin" else "API"
+                    await send_error(
+                        send,
+                        401,
+                        f"missing or wrong {what} key (send 'Authorization: Bearer <key>')",
+                        "invalid_api_key",
+                        [(b"www-authenticate", b"Bearer")],
+                    )
+                    return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _valid(scope: Scope, key: str) -> bool:
+        header = (_header(scope, b"authorization") or b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        return (
+            scheme.lower() == "bearer"
+            and bool(token)
+            and secrets.compare_digest(token.encode("latin-1"), key.encode())
+        )
+
+
+class BodyGuard:
+    """Reads a request's whole body before the app runs: over ``max_bytes`` (declared or, for a
+    chunked body, as it arrives) is 413, a body not complete within ``timeout`` seconds is 408
+    (both close the connection). The app then gets the body in one message, and later
+    ``receive`` calls go to the server (disconnect detection keeps working)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await _reject(send, self.max_bytes)
-                    return
-        seen = 0
-        started = False
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
+        close = [(b"connection", b"close")]
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await send_error(
+                send, 413, f"request body over {self.max_bytes} bytes", "body_too_large", close
+            )
+            return
         try:
-            await self.app(scope, limited_receive, guarded_send)
+            async with asyncio.timeout(self.timeout):
+                body = await self._read(receive)
+        except TimeoutError:
+            await send_error(
+                send, 408, f"request body not received within {self.timeout:g} s",
+                "request_timeout", close,
+            )  # fmt: skip
+            return
         except _TooLarge:
-            if not started:
-                await _reject(send, self.max_bytes)
+            await send_error(
+                send, 413, f"request body over {self.max_bytes} bytes", "body_too_large", close
+            )
+            return
+        if body is None:  # the client went away mid-body: nobody to answer
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _TooLarge  # stop reading here: the rest is not wanted
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
 
 class _TooLarge(Exception):
     pass
-
-
-async def _reject(send: Send, max_bytes: int) -> None:
-    body = json.dumps(error_body(413, f"request body over {max_bytes} bytes")).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 class CORSExceptAdmin:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from veloxquant_mlx.engine.handle import RequestHandle
@@ -17,12 +17,18 @@ from veloxquant_mlx.engine.types import (
     SamplingParams,
     TokenEvent,
 )
-from veloxquant_mlx.server.deps import AppState, require_api_key, state
+from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_engine
-from veloxquant_mlx.server.generation import collect, new_id, stream_events, usage_json
+from veloxquant_mlx.server.generation import (
+    collect,
+    first_batch,
+    new_id,
+    stream_events,
+    usage_json,
+)
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -47,13 +53,24 @@ def _check_model(st: AppState, model: str) -> None:
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> SamplingParams:
+    """The engine's sampling values; what the model's vocabulary bounds is checked here."""
     bias: list[tuple[int, float]] = []
-    for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
+    for key, value in (body.logit_bias or {}).items():  # keys: decimal ASCII (schemas)
+        if int(key) >= vocab:
             raise APIError(
-                400, f"logit_bias keys must be token ids below {vocab}", param="logit_bias"
+                400,
+                f"logit_bias keys must be token ids below {vocab}",
+                code="invalid_value",
+                param="logit_bias",
             )
         bias.append((int(key), value))
+    if body.top_k is not None and body.top_k >= vocab:
+        raise APIError(
+            400,
+            f"top_k must be below the vocabulary size {vocab} (0 or -1: off)",
+            code="invalid_value",
+            param="top_k",
+        )
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -79,11 +96,11 @@ def _submit(
     """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""
     if st.draining:
         raise APIError(
-            503, "the server is draining", code="not_ready", headers={"Retry-After": "5"}
+            503, "the server is shutting down", code="draining", headers={"Retry-After": "1"}
         )
     if not prompt:
         raise APIError(400, "the prompt must not be empty", code="invalid_value", param="prompt")
-    vocab = st.engine.tokenizer.vocab_size
+    vocab = st.engine.vocab_size
     if any(t >= vocab for t in prompt):
         raise APIError(
             400, f"token ids must be below {vocab}", code="invalid_value", param="prompt"
@@ -114,7 +131,8 @@ def _submit(
         raise from_engine(exc) from None
 
 
-def _sse_response(
+async def _sse_response(
+    request: Request,
     st: AppState,
     body: CompletionRequest | ChatCompletionRequest,
     handle: RequestHandle,
@@ -122,14 +140,16 @@ def _sse_response(
     base: dict[str, Any],
     chunk: Callable[[TokenEvent | FinishEvent], dict[str, Any]],
 ) -> StreamingResponse:
-    """The SSE response: ``chunk`` per event, a usage chunk if asked, ``[DONE]``."""
+    """The SSE response: ``chunk`` per event, a usage chunk if asked, ``[DONE]``. Nothing is
+    sent before the first event, so an error before it gets its HTTP status."""
 
     def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
         return {**base, "choices": [], "usage": usage_json(finish)}
 
     include = bool(body.stream_options and body.stream_options.include_usage)
+    first = await first_batch(request, st.engine, handle)
     return StreamingResponse(
-        stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk),
+        stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk, first),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
@@ -196,7 +216,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 }
             return {**base, "choices": [choice]}
 
-        return _sse_response(st, body, handle, arrived, base, chunk)
+        return await _sse_response(request, st, body, handle, arrived, base, chunk)
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     choice = {
@@ -279,7 +299,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
             return {**base, "choices": [choice]}
 
-        return _sse_response(st, body, handle, arrived, base, chunk)
+        return await _sse_response(request, st, body, handle, arrived, base, chunk)
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     return {

@@ -5,21 +5,29 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from veloxquant_mlx.engine.types import EngineError
-from veloxquant_mlx.server.deps import require_admin_key, state
+from veloxquant_mlx.server.deps import state
 from veloxquant_mlx.server.errors import APIError, error_body, from_engine
 from veloxquant_mlx.server.metrics import as_dict
 from veloxquant_mlx.server.schemas import ShrinkRequest
 
 router = APIRouter()
-admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin_key)])
+admin = APIRouter(prefix="/admin")  # the admin key is checked before the body (AuthGate)
 
 
-@router.get("/health")
-async def health() -> dict[str, str]:
+@router.get("/health", response_model=None)
+async def health(request: Request) -> Any:
+    """Liveness: 200 while the process can serve (loading, serving or draining); 503 once the
+    engine has failed (the process is about to exit non-zero for its supervisor to restart)."""
+    st = getattr(request.app.state, "vq", None)
+    if st is not None and not st.engine.alive and not st.engine.draining:
+        return JSONResponse(
+            error_body(503, "the engine has failed; the server is exiting", "engine_dead"),
+            status_code=503,
+        )
     return {"status": "ok"}
 
 

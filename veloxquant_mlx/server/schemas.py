@@ -5,10 +5,34 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+from veloxquant_mlx.engine.types import SamplingParams
+
+
+def _encodable(value: str) -> str:
+    # JSON can carry a lone UTF-16 surrogate ("\ud800"); no tokenizer can encode it.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it holds a lone surrogate)") from None
+    return value
+
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+# logit_bias keys are token ids written in decimal ASCII ("²".isdigit() is True; int() refuses).
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,10}$")]
 
 
 class StreamOptions(BaseModel):
@@ -19,7 +43,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr = Field(min_length=1)
+    model: Text = Field(min_length=1, max_length=256)
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
@@ -30,15 +54,17 @@ class _Sampling(BaseModel):
     frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: (
         Annotated[
-            dict[StrictStr, Annotated[Finite, Field(ge=-100.0, le=100.0)]], Field(max_length=300)
+            dict[TokenIdKey, Annotated[Finite, Field(ge=-100.0, le=100.0)]], Field(max_length=300)
         ]
         | None
     ) = None
-    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
+    seed: (
+        Annotated[StrictInt, Field(ge=SamplingParams.SEED_MIN, le=SamplingParams.SEED_MAX)] | None
+    ) = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -51,9 +77,9 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: (
-        StrictStr
+        Text
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
         | Annotated[
             list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)
         ]
@@ -66,14 +92,14 @@ class CompletionRequest(_Sampling):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:

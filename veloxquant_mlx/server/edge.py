@@ -1,0 +1,151 @@
+"""The HTTP/1.1 connection guard: uvicorn's httptools protocol with the limits it lacks.
+
+uvicorn (0.54) has an idle keep-alive timeout but no limit on the size of a request head when
+it parses with httptools, no deadline for a head to arrive (a slowloris holds a connection and
+its buffer forever), and a concurrency limit that answers only once a request has arrived. This
+subclass adds, per connection: a cap on open connections (503 and close at once), a deadline
+for the request line and headers (408), a size limit on them (431), and the idle timeout from
+the first byte on (uvicorn arms it only after a first response). Bodies are limited by
+``middleware.BodyGuard`` (413, 408), authentication by ``middleware.AuthGate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from veloxquant_mlx.server.errors import error_body
+
+_REASONS = {
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """Per-connection limits (from Settings)."""
+
+    max_connections: int
+    max_header_bytes: int
+    header_timeout: float
+
+
+class _HeadRejected(Exception):
+    """Raised out of a parser callback to stop parsing a rejected request head."""
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """One connection. Owns, besides uvicorn's state: whether a request head is being read,
+    its byte count so far and its deadline timer. Event-loop thread only."""
+
+    limits: EdgeLimits  # set on the subclass that ``protocol_class`` makes
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._in_head = True
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._rejected = False
+        if len(self.connections) > self.limits.max_connections:
+            self._reject(503, "too many open connections; try again later", "too_many_connections")
+            return
+        # A connection that never sends a byte is idle too.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return
+        self._unset_keepalive_if_required()
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(
+                    self.limits.header_timeout, self._head_timed_out
+                )
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.send_400_response("Upgrades are not supported.")
+            return
+        except httptools.HttpParserError:
+            if not self._rejected:
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._head_too_large()
+
+    # Parser callbacks (uvicorn's, plus the head bookkeeping)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._head_too_large()
+            raise _HeadRejected
+        self._in_head = False
+        self._head_bytes = 0
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head = True  # the next request's head, if any, starts here
+
+    # Rejections
+
+    def _head_too_large(self) -> None:
+        self._reject(
+            431,
+            f"request line and headers over {self.limits.max_header_bytes} bytes",
+            "headers_too_large",
+        )
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._in_head and not self.transport.is_closing():
+            self._reject(
+                408,
+                f"request headers not received within {self.limits.header_timeout:g} s",
+                "request_timeout",
+            )
+
+    def _cancel_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()  # type: ignore[union-attr]
+            self._head_timer = None
+
+    def _reject(self, status: int, message: str, code: str) -> None:
+        """Answer in OpenAI's error shape and close the connection."""
+        self._rejected = True
+        self._cancel_head_timer()
+        self._unset_keepalive_if_required()
+        if self.transport.is_closing():
+            return
+        body = json.dumps(error_body(status, message, code)).encode()
+        head = (
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body))
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+def protocol_class(limits: EdgeLimits) -> type[Any]:
+    """A protocol class for ``uvicorn.Config(http=...)`` bound to ``limits``."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
