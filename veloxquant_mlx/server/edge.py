@@ -28,6 +28,9 @@ _REASONS = {
 }
 
 
+_LINGER_SECONDS = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
     """Per-connection limits (from Settings)."""
@@ -53,9 +56,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._rejected = False
-        if len(self.connections) > self.limits.max_connections:
-            self._reject(503, "too many open connections; try again later", "too_many_connections")
-            return
+        # Over the cap: answered 503 when its request arrives (answering before it is read
+        # would make the client's write meet a closed socket: a reset, not a response).
+        self._over_cap = len(self.connections) > self.limits.max_connections
         # A connection that never sends a byte is idle too.
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -67,6 +70,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
+            return
+        if self._over_cap:
+            self._reject(503, "too many open connections; try again later", "too_many_connections")
             return
         self._unset_keepalive_if_required()
         if self._in_head:
@@ -138,12 +144,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         body = json.dumps(error_body(status, message, code)).encode()
+        retry = b"retry-after: 1\r\n" if status == 503 else b""
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body))
+            b"%sconnection: close\r\n\r\n" % (status, _REASONS[status], len(body), retry)
         )
         self.transport.write(head + body)
-        self.transport.close()
+        # Half-close and linger: closing at once would reset the connection while the client
+        # is still sending (a large head), and the reset destroys the answer in its buffers.
+        # What still arrives is discarded (data_received returns while rejected).
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(_LINGER_SECONDS, self.transport.close)
+        else:
+            self.transport.close()
 
 
 def protocol_class(limits: EdgeLimits) -> type[Any]:

@@ -107,14 +107,41 @@ def from_finish(finish: FinishEvent) -> APIError:
     return APIError(503, message, code="engine_error", headers={"Retry-After": "5"})
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "[key]"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The field path a client wrote (``messages.0.content``), without pydantic's union member
+    tags (``function-after[...]``, ``list[int]``) and dict keys (``logit_bias``)."""
+    parts: list[str] = []
+    for p in loc:
+        if p == "body" and not parts:
+            continue
+        if isinstance(p, int):
+            parts.append(str(p))
+            continue
+        if not isinstance(p, str) or not p.isidentifier() or "[" in p or p in _TYPE_TAGS:
+            break
+        parts.append(p)
+    return ".".join(parts) or None
+
+
 def _describe(errors: list[Any]) -> tuple[str, str | None]:
+    """One message for the first invalid field: pydantic reports a union's failure once per
+    member; those are joined (at most three)."""
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
-    return (f"{param}: {msg}" if param else msg), param
+    param = _param(tuple(first.get("loc", ())))
+    msgs: list[str] = []
+    for e in errors:
+        if _param(tuple(e.get("loc", ()))) != param:
+            continue
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        if msg not in msgs:
+            msgs.append(msg)
+    text = "; or ".join(msgs[:3]) if msgs else "invalid value"
+    return (f"{param}: {text}" if param else text), param
 
 
 def install(app: FastAPI) -> None:

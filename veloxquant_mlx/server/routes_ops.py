@@ -27,6 +27,7 @@ async def health(request: Request) -> Any:
         return JSONResponse(
             error_body(503, "the engine has failed; the server is exiting", "engine_dead"),
             status_code=503,
+            headers={"Retry-After": "5"},
         )
     return {"status": "ok"}
 
@@ -36,7 +37,11 @@ async def ready(request: Request) -> Any:
     st = getattr(request.app.state, "vq", None)
     if st is None or st.draining or not st.engine.ready or st.engine.draining:
         why = "draining" if st is not None and (st.draining or st.engine.draining) else "not ready"
-        return JSONResponse(error_body(503, f"the server is {why}", "not_ready"), status_code=503)
+        return JSONResponse(
+            error_body(503, f"the server is {why}", "not_ready"),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
     return {"status": "ready", "model": st.model_name}
 
 

@@ -28,7 +28,7 @@ def _encodable(value: str) -> str:
     return value
 
 
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # logit_bias keys are token ids written in decimal ASCII ("²".isdigit() is True; int() refuses).

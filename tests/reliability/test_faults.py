@@ -1,0 +1,200 @@
+"""One request's fault next to running streams fails that request alone; a fault of the engine
+itself fails what is in flight, turns /health to 503 and makes the process exit non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import free_port
+from tests.reliability.conftest import (
+    ADMIN,
+    MODEL,
+    assert_error,
+    sse_events,
+    wait_pool_free,
+)
+from tests.server.conftest import settings
+from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.server.app import create_app, engine_config
+
+pytestmark = pytest.mark.anyio
+
+
+def _explode_at_third_token(monkeypatch) -> None:
+    """Fault injection into the real step: requests with presence_penalty 1.5 get a logits
+    processor that raises at their third token."""
+    from veloxquant_mlx.engine import loop
+
+    real = loop.make_processors
+
+    def processors(params):
+        if params.presence_penalty != 1.5:
+            return real(params)
+        calls = {"n": 0}
+
+        def explode(tokens, logits):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected processor fault /secret/path.py")
+            return logits
+
+        return [explode]
+
+    monkeypatch.setattr(loop, "make_processors", processors)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
+    client_for, monkeypatch, stream
+):
+    _explode_at_third_token(monkeypatch)
+    client = await client_for(stream_interval_ms=0)
+
+    async def run(body):
+        return await client.post("/v1/completions", json={"model": MODEL, **body}, timeout=60)
+
+    good = [
+        {"prompt": f"stream {i}", "max_tokens": 40, "temperature": 0, "stream": True}
+        for i in range(3)
+    ]
+    bad = {"prompt": "faulty", "max_tokens": 40, "presence_penalty": 1.5, "stream": stream}
+    results = await asyncio.gather(*(run(b) for b in [*good[:2], bad, good[2]]))
+    for r in (results[0], results[1], results[3]):
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+    r = results[2]
+    if stream:  # tokens went out before the fault: an error event, then [DONE]
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "request_failed", events[-2]
+        assert "secret" not in r.text and "RuntimeError" in r.text
+    else:
+        err = assert_error(r, 500, code="request_failed")
+        assert "logits processor" in err["message"] and "secret" not in err["message"]
+    assert client.engine.alive  # type: ignore[attr-defined]
+    again = await run({"prompt": "after", "max_tokens": 3})
+    assert again.status_code == 200
+
+
+async def test_a_fault_before_the_first_token_is_a_500_even_when_streaming(client_for, monkeypatch):
+    from veloxquant_mlx.engine import loop
+
+    def broken_sampler(params):
+        raise OverflowError("injected setup fault")
+
+    monkeypatch.setattr(loop, "make_sampler", broken_sampler)
+    client = await client_for()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "temperature": 1}
+    r = await client.post("/v1/completions", json=body)
+    err = assert_error(r, 500, code="request_failed")
+    assert "OverflowError" in err["message"]
+
+
+async def test_engine_failure_fails_in_flight_sets_health_503_and_calls_the_exit_hook(
+    default_model_dir,
+):
+    steps = {"n": 0}
+
+    def fault():
+        steps["n"] += 1
+        if steps["n"] == 30:
+            raise MemoryError("injected engine fault")
+
+    s = settings(default_model_dir)
+    engine = Engine(engine_config(s), step_hook=fault).start()
+    await asyncio.to_thread(engine.wait_ready, 120)
+    failed = asyncio.Event()
+    app = create_app(s, engine=engine, on_engine_failure=failed.set)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).status_code == 200
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 200}
+            rs = await asyncio.gather(
+                *(client.post("/v1/completions", json=body, timeout=60) for _ in range(3))
+            )
+            for r in rs:
+                err = assert_error(r, 503, code="engine_error")
+                assert "MemoryError" in err["message"] and "injected" not in err["message"]
+            await asyncio.wait_for(failed.wait(), 10)
+            assert_error(await client.get("/health"), 503, code="engine_dead")
+            assert (await client.get("/ready")).status_code == 503
+            assert_error(await client.post("/v1/completions", json=body), 503)
+    await asyncio.to_thread(engine.shutdown, 5)
+    wait_pool_free(engine.pool)
+
+
+LAUNCHER = """
+import sys
+from veloxquant_mlx.engine import loop
+
+real, steps = loop.EngineLoop._step, {"n": 0}
+
+
+def step(self):
+    steps["n"] += 1
+    if steps["n"] == 40:
+        raise RuntimeError("injected engine fault")
+    return real(self)
+
+
+loop.EngineLoop._step = step
+from veloxquant_mlx.server.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_dir):
+    """A real server process whose engine step fails: in-flight requests get their error, the
+    process exits 1 by itself (a supervisor restarts it)."""
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, str(launcher), "--port", str(port), "--admin-key", ADMIN,
+         "--model-cache-dir", str(default_model_dir.parent), "--blas", "off"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        results: list[httpx.Response] = []
+
+        def one():
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "stream": True}
+            results.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "engine thread died" in text and "exiting" in text
+    for r in results:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error", r.text
+        assert "injected" not in r.text
