@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps run test lint typecheck pytest bench loadtest compare clean
+.PHONY: install system-deps run test lint typecheck pytest bench loadtest compare soak clean
 
 ARGS ?=
 
@@ -62,6 +62,12 @@ loadtest: $(STAMP)
 # Ours against mlx_lm.server on the same models, side by side (writes loadtest-compare.md).
 compare: $(STAMP)
 	$(PY) -m loadtest.compare $(ARGS)
+
+# Mixed traffic with cancels, bad inputs, shrinks and scrapes against a server it starts on
+# loopback, for MINUTES minutes; fails on any 5xx, a leaked block or RSS growth after warm-up.
+MINUTES ?= 5
+soak: $(STAMP)
+	$(PY) -m loadtest.soak --minutes $(MINUTES) --json soak-report.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

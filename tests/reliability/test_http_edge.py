@@ -233,3 +233,14 @@ def test_unknown_paths_and_methods(edge_server):
         timeout=10,
     )
     assert_error(r, 405)
+
+
+def test_json_sent_as_a_form_like_curl_d_is_read_as_json(edge_server):
+    body = b'{"model": "veloxquant-tiny-llama", "prompt": "hi", "max_tokens": 2}'
+    data = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n" + AUTH
+        + b"Content-Type: application/x-www-form-urlencoded\r\nConnection: close\r\n"
+        + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )  # fmt: skip
+    raw, _ = exchange(edge_server, data)
+    assert parse(raw).status_code == 200, raw[:300]

@@ -118,6 +118,14 @@ class BodyGuard:
             return
         if body is None:  # the client went away mid-body: nobody to answer
             return
+        if (_header(scope, b"content-type") or b"application/x-www-form-urlencoded").startswith(
+            b"application/x-www-form-urlencoded"
+        ):
+            # The API speaks JSON only; `curl -d '{...}'` labels it a form. Read it as JSON.
+            scope = {**scope, "headers": [
+                *(h for h in scope["headers"] if h[0] != b"content-type"),
+                (b"content-type", b"application/json"),
+            ]}  # fmt: skip
         replayed = False
 
         async def replay() -> Message:

@@ -1,0 +1,326 @@
+"""``python -m loadtest.soak --minutes N``: a bounded soak of our server on loopback.
+
+Starts its own server process (so it can read its memory), then for N minutes runs mixed
+traffic from ``--clients`` threads: full streams, chat, seeded sampling, streams and
+non-streamed requests abandoned midway (cancels), bad inputs of every kind, while an operator
+thread shrinks the pool (which grows back on demand) and a scraper reads /metrics every second.
+
+It fails (exit 1) on: any 5xx other than an honest 503 (capacity_reduced after a shrink,
+queue_full's 429 is a 4xx), any error answered to a valid request, a bad input answered with
+anything but 4xx, the engine reported dead, a block or owner left once idle, or RSS growth after
+warm-up over ``--rss-growth-mb``. Prints a report (and ``--json``); stops the server by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.compare import free_port, server
+from loadtest.probe import _idle
+
+MODEL = "veloxquant-tiny-llama"
+
+# Bad inputs: (path, raw body) and the status a truthful server answers.
+BAD_INPUTS: list[tuple[str, bytes, int]] = [
+    ("/v1/completions", b'{"model": "M", "prompt": "x", "top_k": 100000}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "a\\ud800b"}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "x", "logit_bias": {"\\u00b2": 1}}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "x", "seed": 18446744073709551616}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "x", "temperature": NaN}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": [999999999]}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "x", "max_tokens": 900000}', 400),
+    ("/v1/chat/completions", b'{"model": "M", "messages": []}', 400),
+    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "x"}]}', 400),
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b'{"model": "nope", "prompt": "x"}', 404),
+]
+
+
+@dataclass
+class Report:
+    minutes: float
+    requests: Counter = field(default_factory=Counter)  # kind:status
+    failures: list[str] = field(default_factory=list)
+    tokens: int = 0
+    shrinks: int = 0
+    retired_blocks: int = 0
+    scrapes: int = 0
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MiB)
+    rss_warm_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    rss_max_mb: float = 0.0
+    leak_free: bool = False
+
+    def fail(self, what: str) -> None:
+        if len(self.failures) < 50:
+            self.failures.append(what)
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _prompt(rng: random.Random) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "pool", "block", "token", "stream", "é", "漢"]
+    return " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
+
+
+def client_loop(base: str, rep: Report, deadline: float, seed: int, lock: threading.Lock) -> None:
+    """One client: a random mix until the deadline."""
+    rng = random.Random(seed)
+    with httpx.Client(base_url=base, timeout=60) as http:
+        while time.monotonic() < deadline:
+            kind = rng.choices(
+                ["stream", "chat", "seeded", "cancel_stream", "cancel_plain", "bad"],
+                weights=[35, 15, 10, 10, 10, 20],
+            )[0]
+            try:
+                status, ok, tokens, note = _one(http, kind, rng)
+            except httpx.HTTPError as exc:
+                status, ok, tokens, note = -1, kind.startswith("cancel"), 0, ""
+                if not ok:
+                    with lock:
+                        rep.fail(f"{kind}: {type(exc).__name__}")
+            with lock:
+                rep.requests[f"{kind}:{status}"] += 1
+                rep.tokens += tokens
+                if not ok:
+                    rep.fail(f"{kind}: HTTP {status} {note}".rstrip())
+
+
+def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, int, str]:
+    """(status, whether the answer was truthful for this kind, tokens received, a note)."""
+    max_tokens = rng.randint(1, 120)
+    if kind == "bad":
+        path, raw, expected = rng.choice(BAD_INPUTS)
+        r = http.post(
+            path,
+            content=raw.replace(b'"M"', f'"{MODEL}"'.encode()),
+            headers={"content-type": "application/json"},
+        )
+        body_ok = "error" in r.json() and "Traceback" not in r.text
+        return r.status_code, r.status_code == expected and body_ok, 0, raw[:80].decode()
+    if kind in ("stream", "cancel_stream"):
+        body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": max_tokens, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, _honest(r), 0, ""
+            stop_after = rng.randint(1, 5) if kind == "cancel_stream" else None
+            events, done, usage = 0, False, 0
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 200, event["error"].get("code") == "capacity_reduced", 0, ""
+                if event.get("usage"):
+                    usage = event["usage"]["completion_tokens"]
+                events += 1
+                if stop_after is not None and events >= stop_after:
+                    return 200, True, 0, ""  # leaving: the connection closes with the context
+            return 200, done, usage, ""
+    if kind == "cancel_plain":
+        body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": 400}
+        try:
+            r = http.post("/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+        except httpx.TimeoutException:
+            return 0, True, 0, ""
+        return r.status_code, r.status_code == 200 or _honest(r), 0, ""
+    if kind == "chat":
+        messages = [{"role": "user", "content": _prompt(rng)}]
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
+        r = http.post("/v1/chat/completions", json=body)
+    else:
+        body = {
+            "model": MODEL, "prompt": _prompt(rng), "max_tokens": max_tokens,
+            "temperature": rng.uniform(0.1, 1.5), "top_k": rng.choice([-1, 0, 5, 50]),
+            "top_p": rng.uniform(0.5, 1.0), "seed": rng.randint(-(2**63), 2**64 - 1),
+        }  # fmt: skip
+        r = http.post("/v1/completions", json=body)
+    if r.status_code == 200:
+        return 200, True, r.json()["usage"]["completion_tokens"], ""
+    return r.status_code, _honest(r), 0, ""
+
+
+def _honest(r: httpx.Response) -> bool:
+    """An error a valid request may truthfully get under shrinks and load."""
+    if r.status_code == 429:
+        return "retry-after" in r.headers
+    if r.status_code == 503:
+        return r.json()["error"]["code"] == "capacity_reduced" and "retry-after" in r.headers
+    return False
+
+
+def operator_loop(base: str, key: str, rep: Report, deadline: float, lock: threading.Lock):
+    """Shrinks the pool every few seconds; growth brings blocks back on demand."""
+    rng = random.Random(7)
+    with httpx.Client(base_url=base, timeout=30, headers={"Authorization": f"Bearer {key}"}) as h:
+        while time.monotonic() < deadline:
+            time.sleep(rng.uniform(2, 6))
+            r = h.post(
+                "/admin/pool/shrink", json={"stream": "kv", "target_free": rng.randint(0, 400)}
+            )
+            with lock:
+                if r.status_code != 200:
+                    rep.fail(f"shrink: HTTP {r.status_code}")
+                else:
+                    rep.shrinks += 1
+                    rep.retired_blocks += r.json()["retired"]
+
+
+def scrape_loop(base: str, pid: int, rep: Report, deadline: float, lock: threading.Lock):
+    started = time.monotonic()
+    last_rss = 0.0
+    with httpx.Client(base_url=base, timeout=10) as http:
+        while time.monotonic() < deadline:
+            text = http.get("/metrics").text
+            alive = "veloxquant_engine_alive 1.0" in text
+            now = time.monotonic()
+            with lock:
+                rep.scrapes += 1
+                if not alive:
+                    rep.fail("engine reported dead")
+                if now - last_rss >= 5:
+                    last_rss = now
+                    rep.rss_mb.append((round(now - started, 1), round(rss_mb(pid), 1)))
+            time.sleep(1.0)
+
+
+def soak(args: argparse.Namespace) -> Report:
+    rep = Report(minutes=args.minutes)
+    port, key = free_port(), secrets.token_urlsafe(16)
+    cmd = [
+        sys.executable, "-m", "veloxquant_mlx.server", "--port", str(port), "--admin-key", key,
+        "--n-blocks", str(args.n_blocks), "--grow-on-exhaustion",
+        "--max-blocks", str(args.n_blocks), "--max-queue", "64", "--max-running", "8",
+        *(["--model", args.model] if args.model else []),
+    ]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    log = Path(args.log)
+    with server(cmd, port, dict(os.environ), log) as proc:
+        lock = threading.Lock()
+        started = time.monotonic()
+        deadline = started + args.minutes * 60
+        threads = [
+            threading.Thread(target=client_loop, args=(base, rep, deadline, i, lock))
+            for i in range(args.clients)
+        ]
+        threads.append(
+            threading.Thread(target=operator_loop, args=(base, key, rep, deadline, lock))
+        )
+        threads.append(
+            threading.Thread(target=scrape_loop, args=(base, proc.pid, rep, deadline, lock))
+        )
+        for t in threads:
+            t.daemon = True
+            t.start()
+        warm_at = started + min(60.0, args.minutes * 60 * 0.2)
+        while time.monotonic() < deadline:
+            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            if not rep.rss_warm_mb and time.monotonic() >= warm_at:
+                rep.rss_warm_mb = rss_mb(proc.pid)
+            done = time.monotonic() - started
+            print(
+                f"\rsoak {done / 60:5.1f}/{args.minutes:g} min  "
+                f"requests {sum(rep.requests.values()):6d}  failures {len(rep.failures)}  "
+                f"rss {rss_mb(proc.pid):6.1f} MiB",
+                end="", file=sys.stderr, flush=True,
+            )  # fmt: skip
+        print(file=sys.stderr)
+        for t in threads:
+            t.join(120)
+        rep.leak_free = _wait_idle(base, key)
+        rep.rss_end_mb = rss_mb(proc.pid)
+        rep.rss_max_mb = max((m for _, m in rep.rss_mb), default=rep.rss_end_mb)
+    if not rep.leak_free:
+        rep.fail("blocks, owners or requests left once idle")
+    if not rep.rss_warm_mb:
+        rep.rss_warm_mb = rep.rss_mb[0][1] if rep.rss_mb else rep.rss_end_mb
+    growth = rep.rss_end_mb - rep.rss_warm_mb
+    if growth > args.rss_growth_mb:
+        rep.fail(f"RSS grew {growth:.1f} MiB after warm-up (limit {args.rss_growth_mb})")
+    return rep
+
+
+def _wait_idle(base: str, key: str, timeout: float = 60.0) -> bool:
+    from loadtest.probe import scrape
+
+    async def check() -> bool:
+        async with httpx.AsyncClient() as client:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                m = await scrape(client, base)
+                if m is not None and _idle(m):
+                    r = await client.get(
+                        f"{base}/admin/pool", headers={"Authorization": f"Bearer {key}"}
+                    )
+                    view = r.json()
+                    return view["stats"]["blocks_in_use"] == 0 and view["owners"] == {}
+                await asyncio.sleep(0.2)
+        return False
+
+    return asyncio.run(check())
+
+
+def render(rep: Report) -> str:
+    total = sum(rep.requests.values())
+    lines = [
+        f"soak: {rep.minutes:g} min, {total} requests, {rep.tokens} tokens received, "
+        f"{rep.shrinks} shrinks ({rep.retired_blocks} blocks retired), {rep.scrapes} scrapes",
+        f"RSS: {rep.rss_warm_mb:.1f} MiB after warm-up, {rep.rss_end_mb:.1f} at the end, "
+        f"{rep.rss_max_mb:.1f} max; pool all free at the end: {rep.leak_free}",
+        "| kind:status | requests |",
+        "|---|---:|",
+        *(f"| {k} | {v} |" for k, v in sorted(rep.requests.items())),
+        f"failures: {len(rep.failures)}",
+        *(f"  - {f}" for f in rep.failures[:20]),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--clients", type=int, default=6)
+    p.add_argument("--model", default=None, help="local model dir (default: the embedded one)")
+    p.add_argument("--n-blocks", type=int, default=6000)
+    p.add_argument("--rss-growth-mb", type=float, default=64.0)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--log", default="soak-server.log", help="the server's log")
+    args = p.parse_args(argv)
+    if not 0 < args.minutes <= 24 * 60 or not 1 <= args.clients <= 64:
+        p.error("--minutes must be in (0, 1440] and --clients in [1, 64]")
+    rep = soak(args)
+    print(render(rep))
+    if args.json:
+        report = {**asdict(rep), "requests": dict(rep.requests)}  # asdict mangles a Counter
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 1 if rep.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""`make soak` for a few seconds: its own server, mixed traffic, shrinks, scrapes, all checks."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest.soak import main
+
+
+def test_a_short_soak_is_clean(tmp_path, default_model_dir, monkeypatch):
+    monkeypatch.setenv("VQ_MODEL_CACHE_DIR", str(default_model_dir.parent))
+    out = tmp_path / "soak.json"
+    rc = main(["--minutes", "0.25", "--clients", "4", "--json", str(out),
+               "--log", str(tmp_path / "server.log")])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0, report["failures"]
+    kinds = {key.split(":")[0] for key in report["requests"]}
+    assert kinds >= {"stream", "bad", "chat"}  # the mix ran
+    assert report["leak_free"] and report["scrapes"] >= 5 and report["rss_end_mb"] > 0
