@@ -222,6 +222,7 @@ class Engine(EngineLoop):
                 generated_tokens_total=c.generated_tokens,
                 requests_finished_total=dict(c.finished),
                 rejections_total=dict(c.rejected),
+                failures_total=dict(c.failed),
                 blocks_promised=self._promised,
                 kv_bytes_per_block=self.kv_bytes_per_block,
             )

@@ -45,6 +45,7 @@ class Counters:
     generated_tokens: int = 0
     finished: collections.Counter[str] = field(default_factory=collections.Counter)
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
 
 
 class EngineLoop:
@@ -348,6 +349,8 @@ class EngineLoop:
         )
         with self._lock:
             self._counters.finished[reason] += 1
+            if code is not None:
+                self._counters.failed[code] += 1
         handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error, code))
 
     def _apply_cancels(self, request_ids: set[int]) -> None:

@@ -185,5 +185,6 @@ class EngineStats:
     generated_tokens_total: int
     requests_finished_total: dict[str, int]
     rejections_total: dict[str, int]
+    failures_total: dict[str, int]  # requests ended with an error, by FinishEvent.error_code
     blocks_promised: int
     kv_bytes_per_block: int

@@ -11,6 +11,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.types import (
+    CAPACITY_REDUCED,
+    DRAINING,
+    ENGINE_FAILED,
+    REQUEST_FAILED,
+)
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -62,9 +68,17 @@ class EngineCollector(Collector):
             "Requests refused at submit, by reason.",
             labels=["reason"],
         )
-        for reason in ("queue_full", "too_large", "capacity", "not_ready"):
+        for reason in ("queue_full", "too_large", "capacity", "not_ready", "invalid"):
             rejected.add_metric([reason], stats.rejections_total.get(reason, 0))
         yield rejected
+        failed = CounterMetricFamily(
+            "veloxquant_requests_failed",
+            "Admitted requests that ended with an error, by code.",
+            labels=["code"],
+        )
+        for code in (REQUEST_FAILED, CAPACITY_REDUCED, DRAINING, ENGINE_FAILED):
+            failed.add_metric([code], stats.failures_total.get(code, 0))
+        yield failed
         pool = engine.pool
         if pool is not None:
             pstats = pool.stats
