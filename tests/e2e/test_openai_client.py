@@ -225,3 +225,26 @@ def test_invalid_settings_fail_at_start_with_one_line(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "not a local model directory" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--max-queue", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "max_queue" in r.stderr
+
+
+def test_a_pool_that_cannot_serve_stops_the_server_at_start(tmp_path, default_model_dir):
+    """--n-blocks 8 used to start and then answer 400 to everything."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--n-blocks", "8", "--port", "0",
+         "--model-cache-dir", str(default_model_dir.parent), "--admin-key", ADMIN],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("veloxquant-serve: cannot start: the KV pool (8 blocks")
+    assert "--kv-cache-mb" in last and "Traceback" not in r.stderr

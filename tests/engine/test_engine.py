@@ -18,9 +18,9 @@ from veloxquant_mlx.engine.types import (
     REQUEST_FAILED,
     CapacityReducedError,
     EngineNotReadyError,
-    InvalidRequestError,
     FinishEvent,
     GenerationRequest,
+    InvalidRequestError,
     QueueFullError,
     RequestTooLargeError,
     SamplingParams,
@@ -326,10 +326,9 @@ def test_tokens_are_held_for_the_stream_interval_and_flushed_with_the_finish(mak
 
 
 def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
+    from veloxquant_mlx.engine.faults import RequestFault
     from veloxquant_mlx.engine.handle import RequestHandle
     from veloxquant_mlx.engine.running import Running
-
-    from veloxquant_mlx.engine.faults import RequestFault
 
     handle = RequestHandle(1, request([1, 2, 3]))
     run = Running(handle, detokenizer=None, end=8, fault=RequestFault(1, []))  # type: ignore[arg-type]
@@ -421,7 +420,7 @@ def test_a_failing_sampler_fails_its_request_alone(engine, monkeypatch):
             tuple(ps[2]), 40, SamplingParams(temperature=1.0, top_k=engine.vocab_size)
         )
     )
-    tokens, finish = bad.collect(30)
+    _tokens, finish = bad.collect(30)
     assert finish.finish_reason == "error" and finish.error_code == REQUEST_FAILED
     assert "sampler" in finish.error and "ValueError" in finish.error
     for h in good:
@@ -498,7 +497,7 @@ def test_drain_deadline_fails_running_requests_with_draining(make_engine):
     while not h.done and engine.stats().running == 0:
         time.sleep(0.01)
     engine.shutdown(drain_timeout=0.05)
-    tokens, finish = h.collect(10)
+    _tokens, finish = h.collect(10)
     assert (finish.finish_reason, finish.error_code) == ("error", DRAINING)
 
 
@@ -512,7 +511,7 @@ def test_shrink_answers_queued_requests_that_no_longer_fit_and_the_queue_moves_o
     small = engine.submit(request(ps[2][:4], max_tokens=8))
     # Retire all that is not promised to the running request: `big` can no longer ever fit.
     engine.shrink("kv", 0)
-    tokens, finish = big.collect(10)
+    _tokens, finish = big.collect(10)
     assert (finish.finish_reason, finish.error_code) == ("error", CAPACITY_REDUCED)
     assert small.collect(30)[1].finish_reason == "length"  # not stuck behind it
     assert running.collect(30)[1].finish_reason == "length"

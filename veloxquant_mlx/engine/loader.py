@@ -96,18 +96,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_batch_size=min(cfg.max_running, cfg.prefill_batch),
         prefill_step_size=cfg.prefill_step,
     )
-    mx.eval(mx.zeros(1))
-    blas = blas_in_use()
     n_blocks = pool.stats.n_blocks
-    log.info(
-        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
-        name,
-        n_blocks,
-        cfg.block_size,
-        per_block,
-        n_blocks * per_block / 2**20,
-        blas,
-    )
     admission = Admission(pool, geometry.n_layers, default_step(pool))
     if not admission.could_ever_fit(cfg.min_request_tokens):
         per_request = admission.need([cfg.min_request_tokens]) * 2 * per_block
@@ -117,6 +106,17 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             f"and the default max_tokens), which needs {per_request / 2**20:.1f} MiB: raise "
             "--kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
+    mx.eval(mx.zeros(1))
+    blas = blas_in_use()
+    log.info(
+        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
+        name,
+        n_blocks,
+        cfg.block_size,
+        per_block,
+        n_blocks * per_block / 2**20,
+        blas,
+    )
     device = str(mx.default_device())
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     return Runtime(

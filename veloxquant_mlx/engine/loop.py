@@ -89,7 +89,10 @@ class EngineLoop:
         try:
             self._load()
         except BaseException as exc:
-            log.exception("engine failed to load the model")
+            if isinstance(exc, (ValueError, OSError)):  # what the operator must change
+                log.error("engine cannot start: %s", exc)
+            else:
+                log.exception("engine failed to load the model")
             self._load_error = exc
             self._alive = False
             self._ready.set()

@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from veloxquant_mlx.server.app import create_app
+    from veloxquant_mlx.engine.engine import Engine
+    from veloxquant_mlx.server.app import create_app, engine_config
     from veloxquant_mlx.server.edge import EdgeLimits, protocol_class
 
     exit_code = 0
@@ -70,7 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_code = 1
         server.should_exit = True
 
-    app = create_app(settings, on_engine_failure=engine_failed)
+    # The engine is loaded before the port is bound (uvicorn binds after the app's startup in
+    # any case): a model or pool that cannot serve stops here with one line and exit code 3.
+    engine = Engine(engine_config(settings)).start()
+    try:
+        engine.wait_ready()
+    except Exception as exc:
+        engine.shutdown(0)
+        print(f"veloxquant-serve: cannot start: {exc}", file=sys.stderr)
+        return 3
+    app = create_app(settings, engine=engine, on_engine_failure=engine_failed)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: keep listening, answer new requests 503 (with Retry-After), fail
@@ -112,7 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=1,
     )
     server = DrainingServer(config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.shutdown(settings.drain_timeout)  # at once if drained or failed already
     if not server.started:
         log.error("the server did not start (see above)")
         return 3
