@@ -161,10 +161,11 @@ def main() -> None:
     p.add_argument("--out", default="loadtest-compare.md")
     p.add_argument("--only-pressure", action="store_true", help="just the memory-pressure run")
     p.add_argument("--skip-pressure", action="store_true", help="no memory-pressure run")
+    p.add_argument("--blas-gemv", action="store_true", help="ours with its (opt-in) gemv forwarder")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
     # Both servers on the same BLAS: theirs with it preloaded, ours choosing it itself (its
-    # default --blas auto picks the same library, and adds its gemv forwarder: --blas-gemv).
+    # default --blas auto picks the same library; --blas-gemv adds the opt-in forwarder).
     ours_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
     env = dict(ours_env)
     blas = select("auto")
@@ -177,7 +178,8 @@ def main() -> None:
     lines = [
         f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores; Python "
         f"{platform.python_version()}, MLX {mx.__version__}, mlx-lm {mlx_lm.__version__}; "
-        f"BLAS {Path(blas).name if blas else 'bundled'} for both (ours adds its gemv forwarder); "
+        f"BLAS {Path(blas).name if blas else 'bundled'} for both"
+        f"{' (ours adds its gemv forwarder)' if args.blas_gemv else ''}; "
         "both servers float32 weights.",
         "",
     ]
@@ -186,7 +188,8 @@ def main() -> None:
         ours_port, theirs_port = free_port(), free_port()
         ours_cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
                     "--port", str(ours_port), "--admin-key", "compare-admin",
-                    "--kv-cache-mb", "512", "--max-running", "32"]  # fmt: skip
+                    "--kv-cache-mb", "512", "--max-running", "32",
+                    *(["--blas-gemv"] if args.blas_gemv else [])]  # fmt: skip
         theirs_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path),
                       "--port", str(theirs_port)]  # fmt: skip
         ours_log, theirs_log = work / f"ours-{name}.log", work / f"theirs-{name}.log"
