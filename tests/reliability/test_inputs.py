@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.reliability.conftest import MODEL, assert_error
+from tests.reliability.conftest import ADMIN, MODEL, assert_error
 
 VOCAB = "VOCAB"  # replaced by the served model's vocabulary size
 
@@ -185,3 +185,22 @@ def test_engine_serves_after_the_whole_catalogue(app_client, pool_free):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert app_client.get("/health").status_code == 200
     assert app_client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"stream": "x", "target_free": 1},
+        {"stream": "kv", "target_free": -1},
+        {"stream": "kv", "target_free": 1.5},
+        {"stream": "kv", "target_free": "1"},
+        {"stream": "kv"},
+        {"stream": "kv", "target_free": 1, "extra": True},
+        [],
+    ],
+)
+def test_bad_shrink_requests_are_400(app_client, pool_free, body):
+    r = app_client.post(
+        "/admin/pool/shrink", json=body, headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+    assert_error(r, 400)
