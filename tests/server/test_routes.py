@@ -138,7 +138,7 @@ async def test_streaming_chat_starts_with_the_role(client):
         ({**COMPLETION, "prompt": 5}, "prompt"),
         ({**COMPLETION, "prompt": []}, "prompt"),
         ({**COMPLETION, "prompt": [-1]}, "prompt"),
-        ({"prompt": "hi"}, "model"),
+        ({"prompt": "hi", "model": ""}, "model"),
     ],
 )
 async def test_bad_values_are_400_never_422(client, body, param):

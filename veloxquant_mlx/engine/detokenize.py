@@ -87,19 +87,32 @@ class SegmentDetokenizer:
         return str(self._inner.last_segment)
 
 
-def detokenizer_factory(tokenizer: Any) -> Callable[[], Detokenizer]:
-    """A maker of fresh per-request detokenizers for an mlx_lm ``TokenizerWrapper``.
-
-    Builds the id -> bytes table once (O(vocabulary), done at model load).
-    """
+def token_bytes_table(tokenizer: Any) -> list[bytes] | None:
+    """Each token id's raw bytes, for byte-level BPE and SPM tokenizers (None for others).
+    O(vocabulary), built once at model load."""
     proto = tokenizer.detokenizer
     if isinstance(proto, BPEStreamingDetokenizer):
         decoder = gpt2_byte_decoder()
-        bpe = [bytes(_bpe_token_bytes(t, decoder)) for t in proto.tokenmap]
-        return functools.partial(ByteDetokenizer, bpe, True)
+        return [bytes(_bpe_token_bytes(t, decoder)) for t in proto.tokenmap]
     if isinstance(proto, SPMStreamingDetokenizer):
-        spm = [t.replace(_SPM_SPACE, b" ") for t in proto.tokenmap]
-        return functools.partial(ByteDetokenizer, spm, bool(proto.trim_space))
+        return [t.replace(_SPM_SPACE, b" ") for t in proto.tokenmap]
+    return None
+
+
+def detokenizer_factory(
+    tokenizer: Any, table: list[bytes] | None = None
+) -> Callable[[], Detokenizer]:
+    """A maker of fresh per-request detokenizers for an mlx_lm ``TokenizerWrapper``.
+
+    ``table`` is ``token_bytes_table(tokenizer)`` (built here when not given).
+    """
+    proto = tokenizer.detokenizer
+    if table is None:
+        table = token_bytes_table(tokenizer)
+    if table is not None and isinstance(proto, BPEStreamingDetokenizer):
+        return functools.partial(ByteDetokenizer, table, True)
+    if table is not None and isinstance(proto, SPMStreamingDetokenizer):
+        return functools.partial(ByteDetokenizer, table, bool(proto.trim_space))
     return lambda: SegmentDetokenizer(tokenizer.detokenizer)
 
 

@@ -71,6 +71,7 @@ class Engine(EngineLoop):
         self.blas = "unknown"
         self.device = "unknown"
         self.vocab_size = 0
+        self.token_bytes = None
         self._model = None
         self._new_detokenizer = None
         self._generator = None
@@ -147,9 +148,11 @@ class Engine(EngineLoop):
             window = self.context_window
             if window is not None and end > window:
                 self._counters.rejected[RequestTooLargeError.reason] += 1
-                raise RequestTooLargeError(
-                    f"prompt ({len(request.prompt_tokens)} tokens) plus max_tokens "
-                    f"({request.max_tokens}) exceeds the context window of {window} tokens"
+                raise RequestTooLargeError(  # OpenAI's wording: clients match it
+                    f"This model's maximum context length is {window} tokens. However, you "
+                    f"requested {end} tokens ({len(request.prompt_tokens)} in the prompt, "
+                    f"{request.max_tokens} in the completion). Please reduce the length of the "
+                    "prompt or messages, or max_tokens."
                 )
             if not self._admission.could_ever_fit(end):
                 if self._admission.fits_configured(end):

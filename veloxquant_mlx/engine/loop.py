@@ -16,7 +16,7 @@ import mlx.core as mx
 from veloxquant_mlx.cache import build_pooled_caches
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.detokenize import Detokenizer, detokenizer_factory
+from veloxquant_mlx.engine.detokenize import Detokenizer, detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.running import Running
@@ -80,6 +80,7 @@ class EngineLoop:
     _generator: Any
     _admission: Admission | None
     vocab_size: int
+    token_bytes: list[bytes] | None  # each token id's raw bytes (byte-level tokenizers)
     _faulted: list[RequestFault]  # faults recorded since the last step's check
     _n_running = 0  # mirrored under the lock for stats()
     _promised = 0
@@ -124,7 +125,8 @@ class EngineLoop:
         )
         self.device = rt.device
         self.vocab_size = rt.vocab_size
-        self._new_detokenizer = detokenizer_factory(rt.tokenizer)
+        self.token_bytes = token_bytes_table(rt.tokenizer)
+        self._new_detokenizer = detokenizer_factory(rt.tokenizer, self.token_bytes)
 
     def _loop(self) -> None:
         while True:

@@ -15,7 +15,7 @@ from veloxquant_mlx.engine.engine import Engine, EngineConfig
 from veloxquant_mlx.server import errors, routes_openai, routes_ops
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
-from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin
+from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
 
 log = logging.getLogger("veloxquant.server")
 
@@ -93,10 +93,11 @@ def create_app(
     app.include_router(routes_openai.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.admin)
-    # Outermost last: CORS (so a 401 carries its headers), then keys, then the body.
+    # Outermost last: request ids, CORS (so a 401 carries its headers), keys, the body.
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     assert settings.admin_key is not None
     app.add_middleware(AuthGate, api_key=settings.api_key, admin_key=settings.admin_key)
     if settings.cors_origins:
         app.add_middleware(CORSExceptAdmin, origins=settings.cors_origins)
+    app.add_middleware(RequestId)
     return app

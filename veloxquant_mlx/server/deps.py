@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +23,7 @@ class AppState:
     metrics: Metrics
     model_name: str
     draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))  # unix time, for /v1/models
 
 
 def state(request: Request) -> AppState:

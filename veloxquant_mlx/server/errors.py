@@ -133,10 +133,12 @@ def _describe(errors: list[Any]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = _param(tuple(first.get("loc", ())))
+    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    # A union's members that the value's type did not match say "should be a valid list";
+    # when a member of the right type found a real problem, that is the one to report.
+    about_value = [e for e in same if not str(e.get("type", "")).endswith("_type")]
     msgs: list[str] = []
-    for e in errors:
-        if _param(tuple(e.get("loc", ()))) != param:
-            continue
+    for e in about_value or same:
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         if msg not in msgs:
             msgs.append(msg)
@@ -158,14 +160,14 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        status = exc.status_code
+        status, code = exc.status_code, None
         if status == 404:
-            message = "no such endpoint"
+            message, code = "no such endpoint", "not_found"
         elif status == 405:
-            message = "method not allowed on this endpoint"
+            message, code = "method not allowed on this endpoint", "method_not_allowed"
         else:
             message = str(exc.detail)
-        return error_response(APIError(status, message, headers=dict(exc.headers or {})))
+        return error_response(APIError(status, message, code=code, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

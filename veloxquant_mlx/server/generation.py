@@ -31,12 +31,14 @@ class Outcome:
     finish: FinishEvent | None = None
 
 
-def usage_json(finish: FinishEvent) -> dict[str, int]:
+def usage_json(finish: FinishEvent) -> dict[str, Any]:
     u = finish.usage
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},  # no prefix cache yet
+        "completion_tokens_details": {"reasoning_tokens": 0},
         "peak_kv_blocks": u.peak_kv_blocks,
         "peak_kv_bytes": u.peak_kv_bytes,
     }

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
+import uuid
 from typing import Any
 
 from starlette.middleware.cors import CORSMiddleware
@@ -42,6 +44,33 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+class RequestId:
+    """Every response carries ``x-request-id``: the client's own (printable ASCII, at most 128
+    characters) or a new one, so a client's log line and ours can be matched."""
+
+    _VALID = re.compile(rb"^[\x21-\x7e]{1,128}$")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        rid = given if given and self._VALID.match(given) else f"req-{uuid.uuid4().hex}".encode()
+
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid)],
+                }
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 class AuthGate:

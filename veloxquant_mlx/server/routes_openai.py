@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from veloxquant_mlx import __version__
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     EngineError,
@@ -33,17 +34,36 @@ router = APIRouter(prefix="/v1")  # the API key is checked before the body (midd
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.get("/models")
-async def list_models(request: Request) -> dict[str, Any]:
-    st = state(request)
+def _model_card(st: AppState) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [{"id": st.model_name, "object": "model", "created": 0, "owned_by": "veloxquant"}],
+        "id": st.model_name,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "veloxquant",
+        "max_model_len": st.engine.context_window,
     }
 
 
-def _check_model(st: AppState, model: str) -> None:
-    if model != st.model_name:
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state(request))]}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    st = state(request)
+    _check_model(st, model_id)
+    return _model_card(st)
+
+
+def fingerprint(st: AppState) -> str:
+    """Changes when the weights or the code that runs them change (OpenAI's meaning)."""
+    return f"fp_vq{__version__.replace('.', '')}_{st.model_name[:24]}"
+
+
+def _check_model(st: AppState, model: str | None) -> None:
+    """A request may omit ``model`` (the served one is meant), as vLLM and llama.cpp allow."""
+    if model is not None and model != st.model_name:
         raise APIError(
             404,
             f"the model '{model}' does not exist; this server serves '{st.model_name}'",
@@ -113,9 +133,11 @@ def _submit(
         if max_tokens < 1:
             raise APIError(
                 400,
-                f"the prompt ({len(prompt)} tokens) fills the context window of {window} tokens",
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"prompt is {len(prompt)} tokens, which leaves no room for the completion. "
+                "Please reduce the length of the prompt or messages.",
                 code="context_length_exceeded",
-                param="prompt",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             )
     request = GenerationRequest(
         tuple(prompt),
@@ -178,7 +200,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     k = body.logprobs
     handle = _submit(st, tokens, body.max_tokens, body, logprobs=k is not None, top_logprobs=k or 0)
     rid, created = new_id("cmpl"), int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    base = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": st.model_name,
+        "system_fingerprint": fingerprint(st),
+    }
 
     def logprobs_json(events: list[TokenEvent]) -> dict[str, Any] | None:
         if k is None:
@@ -251,7 +279,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     def entry(token: int, lp: float | None) -> dict[str, Any]:
         text = _token_text(st, token)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        table = st.engine.token_bytes  # a token's own bytes, also for part of a character
+        raw = table[token] if table is not None and token < len(table) else text.encode()
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
 
     def logprobs_json(events: list[TokenEvent]) -> dict[str, Any] | None:
         if not body.logprobs:
@@ -272,6 +302,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "object": "chat.completion.chunk",
             "created": created,
             "model": st.model_name,
+            "system_fingerprint": fingerprint(st),
         }
         first = {"sent": False}
 
@@ -307,6 +338,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         "object": "chat.completion",
         "created": created,
         "model": st.model_name,
+        "system_fingerprint": fingerprint(st),
         "choices": [
             {
                 "index": 0,

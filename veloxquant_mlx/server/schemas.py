@@ -13,7 +13,9 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from veloxquant_mlx.engine.types import SamplingParams
@@ -43,7 +45,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Text = Field(min_length=1, max_length=256)
+    model: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # None: served one
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
@@ -64,15 +66,24 @@ class _Sampling(BaseModel):
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    stop: Text | list[Text] | None = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
 
 class CompletionRequest(_Sampling):
@@ -89,16 +100,26 @@ class CompletionRequest(_Sampling):
     suffix: None = None
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """A part of a message's content; only text parts are supported."""
+
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: Text
+    type: StrictStr
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got type '{self.type}'")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
 
     def text(self) -> str:
@@ -106,7 +127,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
