@@ -72,6 +72,7 @@ class Engine(EngineLoop):
         self.device = "unknown"
         self.vocab_size = 0
         self.token_bytes = None
+        self.ll_tokenizer = None
         self._model = None
         self._new_detokenizer = None
         self._generator = None

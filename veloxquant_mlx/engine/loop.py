@@ -18,6 +18,7 @@ from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import Detokenizer, detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.faults import RequestFault
+from veloxquant_mlx.engine.grammar import GrammarProcessor, grammar_tokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
@@ -81,6 +82,7 @@ class EngineLoop:
     _admission: Admission | None
     vocab_size: int
     token_bytes: list[bytes] | None  # each token id's raw bytes (byte-level tokenizers)
+    ll_tokenizer: Any  # llguidance's tokenizer (None: no structured outputs for this model)
     _faulted: list[RequestFault]  # faults recorded since the last step's check
     _n_running = 0  # mirrored under the lock for stats()
     _promised = 0
@@ -126,6 +128,7 @@ class EngineLoop:
         self.device = rt.device
         self.vocab_size = rt.vocab_size
         self.token_bytes = token_bytes_table(rt.tokenizer)
+        self.ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
         self._new_detokenizer = detokenizer_factory(rt.tokenizer, self.token_bytes)
 
     def _loop(self) -> None:
@@ -250,6 +253,10 @@ class EngineLoop:
         try:
             sampler = make_sampler(request.sampling)
             processors = make_processors(request.sampling)
+            if request.grammar is not None:  # last: it sees the penalties' and biases' result
+                processors.append(
+                    GrammarProcessor(request.grammar, self.ll_tokenizer, self.vocab_size)
+                )
             detokenizer = self._new_detokenizer()
             caches = build_pooled_caches(self._model, self.pool, owner=owner)
             uid = self._generator.insert(

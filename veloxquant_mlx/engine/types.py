@@ -110,7 +110,9 @@ class GenerationRequest:
 
     ``stop`` strings end generation when they appear in the text (matched across token
     boundaries; never emitted). ``logprobs`` asks for the sampled token's logprob and the
-    ``top_logprobs`` most likely alternatives with every token.
+    ``top_logprobs`` most likely alternatives with every token. ``grammar`` (an llguidance
+    grammar, checked by the caller) constrains the output to it; generation ends when it is
+    complete.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -119,6 +121,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

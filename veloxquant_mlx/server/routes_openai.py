@@ -28,6 +28,7 @@ from veloxquant_mlx.server.generation import (
     usage_json,
 )
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
+from veloxquant_mlx.server.structured import grammar_for
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -112,6 +113,7 @@ def _submit(
     *,
     logprobs: bool,
     top_logprobs: int,
+    grammar: str | None = None,
 ) -> RequestHandle:
     """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""
     if st.draining:
@@ -146,6 +148,7 @@ def _submit(
         stop=tuple(body.stop or ()),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        grammar=grammar,
     )
     try:
         return st.engine.submit(request)
@@ -272,8 +275,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
+    grammar = await grammar_for(body.response_format, st.engine)
     handle = _submit(
-        st, tokens, max_tokens, body, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0
+        st,
+        tokens,
+        max_tokens,
+        body,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        grammar=grammar,
     )
     rid, created = new_id("chatcmpl"), int(time.time())
 
