@@ -143,7 +143,9 @@ async def stream_events(
                 if isinstance(event, TokenEvent):
                     times.append(event.time)
                     if event.text or event.logprob is not None:
-                        out.append(sse(chunk(event)))
+                        data = chunk(event)  # None: nothing to send yet (held back)
+                        if data is not None:
+                            out.append(sse(data))
                 else:
                     finish = event
             if out:

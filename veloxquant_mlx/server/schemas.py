@@ -116,11 +116,26 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Text
+    arguments: Text = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message's answer to one
 
     def text(self) -> str:
         if self.content is None:
@@ -153,12 +168,50 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    class Name(BaseModel):
+        name: StrictStr
+
+    type: Literal["function"]
+    function: Name
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names '{choice.function.name}', not in tools")
+        elif choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
 
 
 class ShrinkRequest(BaseModel):

@@ -1,0 +1,169 @@
+"""Tool calling through the official SDK on a real server whose model has a tool-call chat
+template (the embedded weights with a Hermes-style template: JSON in <tool_call> tags, parsed by
+mlx_lm's json_tools parser). The random weights never choose a tool: "required" and a named
+function must come out as valid calls every time because the grammar makes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL, Server, start_server, stop_server
+
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nTools (call one as <tool_call>"
+    '{"name": ..., "arguments": {...}}</tool_call>):\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
+    model = tmp_path_factory.mktemp("tool-model") / MODEL
+    shutil.copytree(default_model_dir, model)
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(tmp_path_factory.mktemp("tools"), "--model", str(model))
+    yield srv
+    srv.wait_pool_free()
+    assert stop_server(srv) == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def oai(tool_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tool_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _ask(oai, **kw):
+    return oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], **kw
+    )
+
+
+def test_required_tool_choice_always_calls_a_tool(oai):
+    for seed in range(5):
+        r = _ask(oai, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80, seed=seed,
+                 parallel_tool_calls=False)  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert args["city"] in {"Paris", "Oslo", "Lima"} and args["unit"] in {"c", "f"}
+        else:
+            assert call.function.name == "get_time" and -12 <= args["zone"] <= 14
+        assert not choice.message.content
+
+
+def test_a_named_function_is_the_one_called(oai):
+    r = _ask(oai, tools=[WEATHER, TIME], max_tokens=60, seed=1,
+             tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
+
+
+def test_streamed_tool_calls_arrive_as_tool_call_deltas(oai):
+    stream = _ask(oai, tools=[WEATHER], tool_choice="required", max_tokens=80, seed=2,
+                  stream=True, parallel_tool_calls=False)  # fmt: skip
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].index == 0
+    json.loads(calls[0].function.arguments)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in text
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_result_conversation_renders_and_answers(oai):
+    first = _ask(oai, tools=[WEATHER], tool_choice="required", max_tokens=80, seed=4,
+                 parallel_tool_calls=False)  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+    ]
+    r = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tool_choice_none_keeps_tools_out_of_the_prompt(oai):
+    with_none = _ask(oai, tools=[WEATHER], tool_choice="none", max_tokens=2, temperature=0)
+    without = _ask(oai, max_tokens=2, temperature=0)
+    assert with_none.usage.prompt_tokens == without.usage.prompt_tokens
+    auto = _ask(oai, tools=[WEATHER], max_tokens=2, temperature=0)
+    assert auto.usage.prompt_tokens > without.usage.prompt_tokens  # rendered into the template
+
+
+def test_a_model_without_tool_support_says_so(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER]
+        )
+    assert info.value.body["param"] == "tools" and "tool calling" in info.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "not in tools"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0"),
+        ({"tools": [WEATHER], "messages": [
+            {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{not json"}}]}]}, "JSON"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400(tool_server, extra, words):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}
+    r = httpx.post(f"{tool_server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.text

@@ -1,0 +1,165 @@
+"""POST /v1/chat/completions: messages through the chat template, tools, structured outputs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+from veloxquant_mlx.server.deps import state
+from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.generation import collect, new_id, usage_json
+from veloxquant_mlx.server.schemas import ChatCompletionRequest
+from veloxquant_mlx.server.structured import grammar_for
+from veloxquant_mlx.server.submission import (
+    check_model,
+    fingerprint,
+    sse_response,
+    submit,
+    token_text,
+)
+from veloxquant_mlx.server.tools import (
+    splitter_for,
+    template_messages,
+    template_tools,
+    tool_grammar,
+)
+
+router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
+
+
+# ---------------------------------------------------------------------- chat
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    st = state(request)
+    arrived = time.monotonic()
+    check_model(st, body.model)
+    tokenizer = st.engine.tokenizer
+    tools = template_tools(body, tokenizer)
+    try:
+        tokens = list(
+            tokenizer.apply_chat_template(
+                template_messages(body), tools=tools, add_generation_prompt=True
+            )
+        )
+    except APIError:
+        raise
+    except Exception as exc:  # a template that rejects the conversation (roles, order)
+        raise APIError(400, f"cannot format these messages: {exc}", param="messages") from None
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    grammar = tool_grammar(body, tokenizer) or await grammar_for(body.response_format, st.engine)
+    if grammar is not None and st.engine.ll_tokenizer is None:
+        raise APIError(
+            400,
+            "constrained decoding is not supported for this model's tokenizer",
+            code="unsupported_value",
+            param="tool_choice",
+        )
+    handle = submit(
+        st,
+        tokens,
+        max_tokens,
+        body,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        grammar=grammar,
+    )
+    rid, created = new_id("chatcmpl"), int(time.time())
+    splitter = splitter_for(body, tokenizer)
+
+    def entry(token: int, lp: float | None) -> dict[str, Any]:
+        text = token_text(st, token)
+        table = st.engine.token_bytes  # a token's own bytes, also for part of a character
+        raw = table[token] if table is not None and token < len(table) else text.encode()
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    def logprobs_json(events: list[TokenEvent]) -> dict[str, Any] | None:
+        if not body.logprobs:
+            return None
+        return {
+            "content": [
+                {
+                    **entry(e.token_id, e.logprob),
+                    "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs],
+                }
+                for e in events
+            ]
+        }
+
+    def finish_reason(reason: str, n_calls: int) -> str:
+        return "tool_calls" if n_calls and reason == "stop" else reason
+
+    if body.stream:
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": st.model_name,
+            "system_fingerprint": fingerprint(st),
+        }
+        first = {"sent": False}
+
+        def chunk(event: TokenEvent | FinishEvent) -> dict[str, Any] | None:
+            delta: dict[str, Any] = {}
+            if not first["sent"]:
+                delta["role"] = "assistant"
+            text, calls = event.text, list[dict[str, Any]]()
+            if splitter is not None:
+                text, calls = splitter.feed(event.text)
+                if isinstance(event, FinishEvent):
+                    rest, more = splitter.finish()
+                    text, calls = text + rest, calls + more
+            if text or (isinstance(event, TokenEvent) and splitter is None):
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
+            if isinstance(event, TokenEvent):
+                if not delta and event.logprob is None:
+                    return None  # held back: part of a tool call
+                first["sent"] = True
+                return {**base, "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs_json([event]),
+                     "finish_reason": None}
+                ]}  # fmt: skip
+            first["sent"] = True
+            n_calls = splitter.n_calls if splitter is not None else 0
+            return {**base, "choices": [
+                {"index": 0, "delta": delta, "logprobs": None,
+                 "finish_reason": finish_reason(event.finish_reason, n_calls)}
+            ]}  # fmt: skip
+
+        return await sse_response(request, st, body, handle, arrived, base, chunk)
+    outcome = await collect(request, st.engine, handle, st.metrics, arrived)
+    assert outcome.finish is not None
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+    n_calls = 0
+    if splitter is not None:
+        content, calls = splitter.feed(outcome.text)
+        rest, more = splitter.finish()
+        calls += more
+        message["content"] = (content + rest) or None
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        n_calls = len(calls)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": st.model_name,
+        "system_fingerprint": fingerprint(st),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs_json(outcome.tokens),
+                "finish_reason": finish_reason(outcome.finish.finish_reason, n_calls),
+            }
+        ],
+        "usage": usage_json(outcome.finish),
+    }

@@ -1,0 +1,163 @@
+"""What the OpenAI routes share: model checks, sampling values, submitting to the engine, the
+SSE response, fingerprints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from veloxquant_mlx import __version__
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.types import (
+    EngineError,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from veloxquant_mlx.server.deps import AppState
+from veloxquant_mlx.server.errors import APIError, from_engine
+from veloxquant_mlx.server.generation import first_batch, stream_events, usage_json
+from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def model_card(st: AppState) -> dict[str, Any]:
+    return {
+        "id": st.model_name,
+        "object": "model",
+        "created": st.started,
+        "owned_by": "veloxquant",
+        "max_model_len": st.engine.context_window,
+    }
+
+
+def fingerprint(st: AppState) -> str:
+    """Changes when the weights or the code that runs them change (OpenAI's meaning)."""
+    return f"fp_vq{__version__.replace('.', '')}_{st.model_name[:24]}"
+
+
+def check_model(st: AppState, model: str | None) -> None:
+    """A request may omit ``model`` (the served one is meant), as vLLM and llama.cpp allow."""
+    if model is not None and model != st.model_name:
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{st.model_name}'",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def sampling(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> SamplingParams:
+    """The engine's sampling values; what the model's vocabulary bounds is checked here."""
+    bias: list[tuple[int, float]] = []
+    for key, value in (body.logit_bias or {}).items():  # keys: decimal ASCII (schemas)
+        if int(key) >= vocab:
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids below {vocab}",
+                code="invalid_value",
+                param="logit_bias",
+            )
+        bias.append((int(key), value))
+    if body.top_k is not None and body.top_k >= vocab:
+        raise APIError(
+            400,
+            f"top_k must be below the vocabulary size {vocab} (0 or -1: off)",
+            code="invalid_value",
+            param="top_k",
+        )
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(0, body.top_k or 0),
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=tuple(bias),
+        seed=body.seed,
+    )
+
+
+def submit(
+    st: AppState,
+    prompt: list[int],
+    max_tokens: int | None,
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    logprobs: bool,
+    top_logprobs: int,
+    grammar: str | None = None,
+) -> RequestHandle:
+    """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""
+    if st.draining:
+        raise APIError(
+            503, "the server is shutting down", code="draining", headers={"Retry-After": "1"}
+        )
+    if not prompt:
+        raise APIError(400, "the prompt must not be empty", code="invalid_value", param="prompt")
+    vocab = st.engine.vocab_size
+    if any(t >= vocab for t in prompt):
+        raise APIError(
+            400, f"token ids must be below {vocab}", code="invalid_value", param="prompt"
+        )
+    window = st.engine.context_window
+    if max_tokens is None:
+        max_tokens = st.settings.default_max_tokens
+        if window is not None:
+            max_tokens = min(max_tokens, window - len(prompt))
+        if max_tokens < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"prompt is {len(prompt)} tokens, which leaves no room for the completion. "
+                "Please reduce the length of the prompt or messages.",
+                code="context_length_exceeded",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
+    request = GenerationRequest(
+        tuple(prompt),
+        max_tokens,
+        sampling(body, vocab),
+        stop=tuple(body.stop or ()),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        grammar=grammar,
+    )
+    try:
+        return st.engine.submit(request)
+    except EngineError as exc:
+        raise from_engine(exc) from None
+
+
+async def sse_response(
+    request: Request,
+    st: AppState,
+    body: CompletionRequest | ChatCompletionRequest,
+    handle: RequestHandle,
+    arrived: float,
+    base: dict[str, Any],
+    chunk: Callable[[TokenEvent | FinishEvent], dict[str, Any] | None],
+) -> StreamingResponse:
+    """The SSE response: ``chunk`` per event, a usage chunk if asked, ``[DONE]``. Nothing is
+    sent before the first event, so an error before it gets its HTTP status."""
+
+    def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
+        return {**base, "choices": [], "usage": usage_json(finish)}
+
+    include = bool(body.stream_options and body.stream_options.include_usage)
+    first = await first_batch(request, st.engine, handle)
+    return StreamingResponse(
+        stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk, first),
+        media_type="text/event-stream",
+        headers=_SSE_HEADERS,
+    )
+
+
+def token_text(st: AppState, token: int) -> str:
+    return st.engine.tokenizer.decode([token])

@@ -1,0 +1,210 @@
+"""Tool calling: tools into the chat template, tool calls out of the text (mlx_lm's parsers), and
+``tool_choice`` "required" or a named function enforced by a grammar (llguidance)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from veloxquant_mlx.server.structured import COMPACT
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as chat templates expect it: text content, an assistant's tool calls
+    with their arguments as objects (templates render them with ``tojson``), tool results with
+    the id of the call they answer."""
+    out: list[dict[str, Any]] = []
+    for m in body.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments or "{}")
+                except json.JSONDecodeError:
+                    raise APIError(
+                        400,
+                        "tool call arguments must be a JSON text",
+                        code="invalid_value",
+                        param="messages",
+                    ) from None
+                calls.append(
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }
+                )
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def template_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt (None: no tools, or ``tool_choice`` "none").
+
+    Raises:
+        APIError: 400 when tools are asked for and the model's template has no tool calling.
+    """
+    if not body.tools or body.tool_choice == "none":
+        return None
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise APIError(
+            400,
+            "this model does not support tool calling (its chat template has no tool-call "
+            "format that mlx_lm can parse); send the request without tools",
+            code="unsupported_value",
+            param="tools",
+        )
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
+    """A grammar that makes the model call a tool, for ``tool_choice`` "required" or a named
+    function; None otherwise. Supported for the JSON-in-tags format (Hermes, Qwen 2.5/3 and
+    most others that mlx_lm parses with ``json_tools``): ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>``, the arguments following the function's ``parameters`` schema.
+
+    Raises:
+        APIError: 400 for a tool-call format this cannot constrain.
+    """
+    choice = body.tool_choice
+    if not body.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    if getattr(parser, "__module__", "") != "mlx_lm.tool_parsers.json_tools":
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function is supported for models whose tool "
+            "calls are JSON in <tool_call> tags; use tool_choice 'auto' with this model",
+            code="unsupported_value",
+            param="tool_choice",
+        )
+    tools: list[Tool] = body.tools
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "x-guidance": COMPACT}
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    one = f"{json.dumps(start)} call {json.dumps(end)}"
+    repeat = f' ("\\n" {one})*' if body.parallel_tool_calls else ""
+    return f"start: {one}{repeat}\ncall: %json {json.dumps(schema)}\n"
+
+
+@dataclass(slots=True)
+class ToolCallSplitter:
+    """Splits generated text into content and tool calls, as it streams.
+
+    Owns the text held back: a possible start of a tool-call tag, or a call not yet closed.
+    ``feed`` returns the content that is certainly not part of a call and the calls that
+    completed; ``finish`` flushes. A call the parser cannot read (a weak model's broken JSON,
+    or one cut off by max_tokens) is given back as content, not dropped.
+    """
+
+    start: str
+    end: str
+    parser: Any
+    tools: list[dict[str, Any]] | None
+    _held: str = ""
+    _in_call: bool = False
+    n_calls: int = field(default=0)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._held += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            if not self._in_call:
+                at = self._held.find(self.start)
+                if at < 0:
+                    keep = _partial_suffix(self._held, self.start)
+                    content.append(self._held[: len(self._held) - keep])
+                    self._held = self._held[len(self._held) - keep :]
+                    break
+                content.append(self._held[:at])
+                self._held = self._held[at + len(self.start) :]
+                self._in_call = True
+            at = self._held.find(self.end)
+            if at < 0:
+                break
+            raw, self._held = self._held[:at], self._held[at + len(self.end) :]
+            self._in_call = False
+            parsed = self._parse(raw)
+            if parsed is None:
+                content.append(self.start + raw + self.end)
+            else:
+                calls.extend(parsed)
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        held, self._held = self._held, ""
+        if not self._in_call:
+            return held, []
+        self._in_call = False
+        parsed = self._parse(held)  # unclosed: some formats omit the end tag
+        return ("", parsed) if parsed is not None else (self.start + held, [])
+
+    def _parse(self, raw: str) -> list[dict[str, Any]] | None:
+        try:
+            parsed = self.parser(raw, self.tools)
+        except Exception:  # a call the model got wrong is text, not a server error
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        out = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            arguments = item.get("arguments", {})
+            out.append(
+                {
+                    "index": self.n_calls,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": item["name"],
+                        "arguments": arguments
+                        if isinstance(arguments, str)
+                        else json.dumps(arguments, ensure_ascii=False),
+                    },
+                }
+            )
+            self.n_calls += 1
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def splitter_for(body: ChatCompletionRequest, tokenizer: Any) -> ToolCallSplitter | None:
+    """A splitter when this request may produce tool calls, else None."""
+    tools = template_tools(body, tokenizer)
+    if tools is None:
+        return None
+    return ToolCallSplitter(
+        tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
+    )
