@@ -12,7 +12,13 @@ from fastapi import FastAPI
 from veloxquant_mlx import __version__
 from veloxquant_mlx.config import Settings
 from veloxquant_mlx.engine.engine import Engine, EngineConfig
-from veloxquant_mlx.server import errors, routes_chat, routes_openai, routes_ops
+from veloxquant_mlx.server import (
+    errors,
+    routes_chat,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+)
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
@@ -92,6 +98,7 @@ def create_app(
     errors.install(app)
     app.include_router(routes_openai.router)
     app.include_router(routes_chat.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_ops.admin)
     # Outermost last: request ids, CORS (so a 401 carries its headers), keys, the body.

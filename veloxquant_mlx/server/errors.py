@@ -126,7 +126,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _describe(errors: list[Any]) -> tuple[str, str | None]:
+def describe_validation(errors: list[Any]) -> tuple[str, str | None]:
     """One message for the first invalid field: pydantic reports a union's failure once per
     member; those are joined (at most three)."""
     first = errors[0]
@@ -155,7 +155,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe(list(exc.errors()))
+        message, param = describe_validation(list(exc.errors()))
         return error_response(APIError(400, message, code="invalid_value", param=param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
-from veloxquant_mlx.server.deps import state
+from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.generation import collect, new_id, usage_json
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
@@ -21,6 +23,7 @@ from veloxquant_mlx.server.submission import (
     token_text,
 )
 from veloxquant_mlx.server.tools import (
+    ToolCallSplitter,
     splitter_for,
     template_messages,
     template_tools,
@@ -33,10 +36,17 @@ router = APIRouter(prefix="/v1")  # the API key is checked before the body (midd
 # ---------------------------------------------------------------------- chat
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    st = state(request)
-    arrived = time.monotonic()
+@dataclass(slots=True)
+class PreparedChat:
+    """A submitted chat request: its handle and, when tools are on, its tool-call splitter."""
+
+    handle: RequestHandle
+    splitter: ToolCallSplitter | None
+
+
+async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedChat:
+    """Template, constraints, validation, submission: everything before the first event.
+    Shared with the Responses API."""
     check_model(st, body.model)
     tokenizer = st.engine.tokenizer
     tools = template_tools(body, tokenizer)
@@ -70,8 +80,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         top_logprobs=body.top_logprobs or 0,
         grammar=grammar,
     )
+    return PreparedChat(handle, splitter_for(body, tokenizer))
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    st = state(request)
+    arrived = time.monotonic()
+    prepared = await prepare_chat(st, body)
+    handle, splitter = prepared.handle, prepared.splitter
     rid, created = new_id("chatcmpl"), int(time.time())
-    splitter = splitter_for(body, tokenizer)
 
     def entry(token: int, lp: float | None) -> dict[str, Any]:
         text = token_text(st, token)

@@ -1,0 +1,164 @@
+"""The Responses API request, and its translation to a chat request (one path to the engine).
+
+Stateless: nothing is stored, so ``previous_response_id`` is refused (400) and ``store`` changes
+nothing. Text input only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.schemas import ChatCompletionRequest, Finite, Text
+
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: what is read; other fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    input: Text | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: Text | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
+    temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    text: dict[str, Any] | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    previous_response_id: Text | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be text or a list of text parts", f"{where}.content")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise _bad(f"only text input is supported (got a '{kind}' part)", f"{where}.content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, code="invalid_value", param=param)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        kind = item.get("type", "message")
+        where = f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+            messages.append({"role": role, "content": _content_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": _content_text(output, where),
+                }
+            )
+        else:
+            raise _bad(f"input items of type '{kind}' are not supported", where)
+    return messages
+
+
+def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(req.tools):
+        if tool.get("type") != "function":
+            raise _bad(
+                f"only function tools are supported (got '{tool.get('type')}')", f"tools.{i}"
+            )
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _bad("tool_choice must name a function: {type: function, name}", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = (req.text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad("text.format must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": fmt.get("type")}
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that does what ``req`` asks.
+
+    Raises:
+        APIError: 400 for what the Responses API allows and this server does not do.
+    """
+    if req.previous_response_id is not None:
+        raise _bad(
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "whole conversation in input",
+            "previous_response_id",
+        )
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _tools(req),
+        "tool_choice": _tool_choice(req),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req),
+        "stream": req.stream,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in body.items() if v is not None}
+        )
+    except ValidationError as exc:
+        from veloxquant_mlx.server.errors import describe_validation
+
+        message, param = describe_validation(list(exc.errors()))
+        raise _bad(message, param or "input") from None

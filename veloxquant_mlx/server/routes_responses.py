@@ -1,0 +1,237 @@
+"""POST /v1/responses: the Responses API over the chat path (text in, text or tool calls out),
+streamed with the documented event sequence."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+from veloxquant_mlx.server.deps import AppState, state
+from veloxquant_mlx.server.errors import from_finish
+from veloxquant_mlx.server.generation import RESULTS, collect, first_batch
+from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
+from veloxquant_mlx.server.routes_chat import prepare_chat
+
+router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(slots=True)
+class Built:
+    """The response object as it grows: its output items in order."""
+
+    req: ResponsesRequest
+    model: str
+    id: str = field(default_factory=lambda: _id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)
+
+    def message_item(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": _id("msg"),
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+
+    def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": _id("fc"),
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": status,
+        }
+
+    def json(self, status: str, finish: FinishEvent | None) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if finish is not None:
+            u = finish.usage
+            usage = {
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.total_tokens,
+            }
+        incomplete = finish is not None and finish.finish_reason == "length"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": req.temperature,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": req.metadata or {},
+        }
+
+
+@router.post("/responses", response_model=None)
+async def responses(req: ResponsesRequest, request: Request) -> Any:
+    st = state(request)
+    arrived = time.monotonic()
+    body = to_chat(req)
+    prepared = await prepare_chat(st, body)
+    built = Built(req, st.model_name)
+    if req.stream:
+        first = await first_batch(request, st.engine, prepared.handle)
+        return StreamingResponse(
+            _events(st, built, prepared, first, arrived),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    outcome = await collect(request, st.engine, prepared.handle, st.metrics, arrived)
+    assert outcome.finish is not None
+    text, calls = outcome.text, list[dict[str, Any]]()
+    if prepared.splitter is not None:
+        text, calls = prepared.splitter.feed(outcome.text)
+        rest, more = prepared.splitter.finish()
+        text, calls = text + rest, calls + more
+    if text or not calls:
+        built.output.append(built.message_item(text, "completed"))
+    built.output += [built.call_item(c) for c in calls]
+    return built.json("completed", outcome.finish)
+
+
+async def _events(
+    st: AppState, built: Built, prepared: Any, first: Any, arrived: float
+) -> AsyncIterator[bytes]:
+    """response.created ... output_text.delta ... response.completed, as OpenAI sends them."""
+    seq = 0
+    handle, splitter = prepared.handle, prepared.splitter
+
+    def event(kind: str, **data: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        payload = {"type": kind, "sequence_number": seq - 1, **data}
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+    times: list[float] = []
+    finish: FinishEvent | None = None
+    message: dict[str, Any] | None = None
+    text_so_far: list[str] = []
+    try:
+        yield event("response.created", response=built.json("in_progress", None))
+        yield event("response.in_progress", response=built.json("in_progress", None))
+
+        def open_message() -> list[bytes]:
+            nonlocal message
+            message = built.message_item("", "in_progress")
+            message["content"] = []
+            built.output.append(message)
+            index = len(built.output) - 1
+            part = {"type": "output_text", "text": "", "annotations": []}
+            return [
+                event("response.output_item.added", output_index=index, item=message),
+                event("response.content_part.added", item_id=message["id"],
+                      output_index=index, content_index=0, part=part),
+            ]  # fmt: skip
+
+        def text_delta(text: str) -> list[bytes]:
+            out = open_message() if message is None else []
+            assert message is not None
+            text_so_far.append(text)
+            out.append(event("response.output_text.delta", item_id=message["id"],
+                             output_index=built.output.index(message), content_index=0,
+                             delta=text, logprobs=[]))  # fmt: skip
+            return out
+
+        def call_events(calls: list[dict[str, Any]]) -> list[bytes]:
+            out = []
+            for call in calls:
+                item = built.call_item(call, "in_progress")
+                built.output.append(item)
+                index = len(built.output) - 1
+                done = {**item, "status": "completed"}
+                built.output[index] = done
+                out += [
+                    event("response.output_item.added", output_index=index, item=item),
+                    event("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=index, delta=item["arguments"]),
+                    event("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=index, name=item["name"], arguments=item["arguments"]),
+                    event("response.output_item.done", output_index=index, item=done),
+                ]  # fmt: skip
+            return out
+
+        async def batches() -> AsyncIterator[list[Any]]:
+            yield first[0]
+            if not isinstance(first[0][-1], FinishEvent):
+                async for batch in first[1]:
+                    yield batch
+
+        async for batch in batches():
+            out: list[bytes] = []
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    times.append(ev.time)
+                else:
+                    finish = ev
+                text, calls = ev.text, list[dict[str, Any]]()
+                if splitter is not None:
+                    text, calls = splitter.feed(ev.text)
+                    if isinstance(ev, FinishEvent):
+                        rest, more = splitter.finish()
+                        text, calls = text + rest, calls + more
+                if text:
+                    out += text_delta(text)
+                out += call_events(calls)
+            if out:
+                yield b"".join(out)
+        assert finish is not None
+        if finish.finish_reason not in RESULTS:
+            err = from_finish(finish)
+            yield event("error", code=err.code, message=err.message, param=None)
+            yield event("response.failed", response={
+                **built.json("failed", finish),
+                "error": {"code": err.code, "message": err.message},
+            })  # fmt: skip
+            return
+        if message is None and not any(i["type"] == "function_call" for i in built.output):
+            for chunk in open_message():
+                yield chunk
+        if message is not None:
+            full = "".join(text_so_far)
+            index = built.output.index(message)
+            part = {"type": "output_text", "text": full, "annotations": []}
+            message.update(status="completed", content=[part])
+            yield event("response.output_text.done", item_id=message["id"], output_index=index,
+                        content_index=0, text=full, logprobs=[])  # fmt: skip
+            yield event("response.content_part.done", item_id=message["id"], output_index=index,
+                        content_index=0, part=part)  # fmt: skip
+            yield event("response.output_item.done", output_index=index, item=message)
+        status = "completed"
+        yield event(f"response.{'incomplete' if finish.finish_reason == 'length' else status}",
+                    response=built.json(status, finish))  # fmt: skip
+    finally:
+        if not handle.done:
+            st.engine.cancel(handle)
+        st.metrics.observe(arrived, times, finish.time if finish else time.monotonic())
