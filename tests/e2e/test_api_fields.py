@@ -120,3 +120,43 @@ def test_a_partial_character_token_reports_its_raw_bytes_not_the_replacement(oai
     )  # fmt: skip
     [entry] = r.choices[0].logprobs.content
     assert bytes(entry.bytes) == table[token] and entry.bytes != list("\ufffd".encode())
+
+
+def test_n_choices_and_prompt_lists(oai):
+    r = oai.completions.create(model=MODEL, prompt="hi", max_tokens=5, n=3, temperature=1.0,
+                               seed=5)  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1  # each choice draws on its own
+    assert r.usage.completion_tokens == 15
+    one = oai.completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    batch = oai.completions.create(model=MODEL, prompt=["hi", "hello there"], max_tokens=4,
+                                   temperature=0)  # fmt: skip
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == one.choices[0].text[: len(batch.choices[0].text)]
+    both = oai.completions.create(model=MODEL, prompt=[[5, 6], [7]], max_tokens=2, n=2)
+    assert len(both.choices) == 4
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, n=2, temperature=1.0)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_streamed_choices_are_each_complete(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6, n=3,
+        temperature=1.0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    finished = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 18
+    plain = oai.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=3, stream=True,
+                                   temperature=0)  # fmt: skip
+    ends = [c.choices[0].index for c in plain if c.choices and c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1]

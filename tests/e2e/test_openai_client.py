@@ -92,7 +92,7 @@ def test_errors_surface_as_the_right_exception_types(oai):
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, n=3)
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, n=9)  # over --max-n
 
 
 def test_concurrent_requests(oai):

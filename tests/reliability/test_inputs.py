@@ -52,7 +52,8 @@ SAMPLING_CASES = [
     ("seed", 2**64, "seed"),
     ("seed", 1.5, "seed"),
     ("seed", "7", "seed"),
-    ("n", 2, "n"),
+    ("n", 9, "n"),  # over --max-n (8)
+    ("n", 129, "n"),
     ("n", 0, "n"),
     ("stream", "yes", "stream"),
     ("stream", 1, "stream"),
@@ -72,8 +73,9 @@ COMPLETION_CASES = [
     ("prompt", [1, 2.5], "prompt"),
     ("prompt", "a\ud800b", "prompt"),  # a lone surrogate: a 500 before
     ("prompt", "\udfff", "prompt"),
-    ("prompt", ["one", "two"], "prompt"),
-    ("prompt", [[1], [2]], "prompt"),
+    ("prompt", ["p"] * 9, "prompt"),  # over --max-n (8) prompts
+    ("prompt", [[1]] * 129, "prompt"),
+    ("prompt", ["one", 2], "prompt"),
     ("prompt", None, "prompt"),
     ("prompt", {"text": "x"}, "prompt"),
     ("prompt", 42, "prompt"),

@@ -131,7 +131,7 @@ async def test_streaming_chat_starts_with_the_role(client):
         ({**COMPLETION, "temperature": 3}, "temperature"),
         ({**COMPLETION, "temperature": "hot"}, "temperature"),
         ({**COMPLETION, "top_p": 0}, "top_p"),
-        ({**COMPLETION, "n": 2}, "n"),
+        ({**COMPLETION, "n": 9}, "n"),  # over --max-n (8)
         ({**COMPLETION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({**COMPLETION, "stop": [""]}, "stop"),
         ({**COMPLETION, "stream": "yes"}, "stream"),

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     max_running: int = Field(32, ge=1, le=1024, description="Requests decoded together at most.")
     max_queue: int = Field(256, ge=1, description="Requests waiting at most (then 429).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
+    max_n: int = Field(
+        8, ge=1, le=128, description="Choices per request at most (n), and prompts per request."
+    )
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
     prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
     stream_interval_ms: float = Field(

@@ -44,6 +44,21 @@ def usage_json(finish: FinishEvent) -> dict[str, Any]:
     }
 
 
+def usage_json_many(finishes: list[FinishEvent], n: int) -> dict[str, Any]:
+    """Usage of ``n`` choices per prompt: each prompt counted once, every completion."""
+    out = usage_json(finishes[0])
+    prompt = sum(f.usage.prompt_tokens for f in finishes[::n])
+    completion = sum(f.usage.completion_tokens for f in finishes)
+    out.update(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        peak_kv_blocks=sum(f.usage.peak_kv_blocks for f in finishes),
+        peak_kv_bytes=sum(f.usage.peak_kv_bytes for f in finishes),
+    )
+    return out
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -164,3 +179,79 @@ async def stream_events(
             engine.cancel(handle)
         with contextlib.suppress(Exception):
             metrics.observe(arrived, times, finish.time if finish else time.monotonic())
+
+
+async def collect_all(
+    request: Request,
+    engine: Engine,
+    handles: list[RequestHandle],
+    metrics: Metrics,
+    arrived: float,
+) -> list[Outcome]:
+    """``collect`` for several choices at once; the first failure cancels the rest."""
+    tasks = [asyncio.ensure_future(collect(request, engine, h, metrics, arrived)) for h in handles]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task, handle in zip(tasks, handles, strict=True):
+            task.cancel()
+            engine.cancel(handle)
+        raise
+
+
+async def stream_choices(
+    engine: Engine,
+    handles: list[RequestHandle],
+    metrics: Metrics,
+    arrived: float,
+    chunk: Any,
+    include_usage: bool,
+    usage_chunk: Any,
+    firsts: list[tuple[list[Event], AsyncIterator[list[Event]]]],
+) -> AsyncIterator[bytes]:
+    """``stream_events`` for several choices: ``chunk(index, event)`` as each choice's events
+    arrive, each choice's finish chunk when it ends; a failure of any choice is an error
+    event (the others are cancelled); then usage if asked, then ``[DONE]``."""
+    queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+
+    async def pump(index: int, first: list[Event], rest: AsyncIterator[list[Event]]) -> None:
+        async for batch in _chain(first, rest):
+            await queue.put((index, batch))
+
+    pumps = [asyncio.ensure_future(pump(i, first, rest)) for i, (first, rest) in enumerate(firsts)]
+    finishes: dict[int, FinishEvent] = {}
+    times: list[float] = []
+    try:
+        while len(finishes) < len(handles):
+            index, batch = await queue.get()
+            out = []
+            for event in batch:
+                if isinstance(event, TokenEvent):
+                    times.append(event.time)
+                    if event.text or event.logprob is not None:
+                        data = chunk(index, event)
+                        if data is not None:
+                            out.append(sse(data))
+                    continue
+                finishes[index] = event
+                if event.finish_reason not in RESULTS:
+                    if out:
+                        yield b"".join(out)
+                    err = from_finish(event)
+                    yield sse(error_body(err.status, err.message, err.code))
+                    yield b"data: [DONE]\n\n"
+                    return
+                out.append(sse(chunk(index, event)))
+            if out:
+                yield b"".join(out)
+        if include_usage:
+            yield sse(usage_chunk([finishes[i] for i in range(len(handles))]))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
+        for handle in handles:
+            if not handle.done:
+                engine.cancel(handle)
+        with contextlib.suppress(Exception):
+            metrics.observe(arrived, times, time.monotonic())

@@ -12,14 +12,14 @@ from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError
-from veloxquant_mlx.server.generation import collect, new_id, usage_json
+from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.structured import grammar_for
 from veloxquant_mlx.server.submission import (
     check_model,
     fingerprint,
     sse_response,
-    submit,
+    submit_all,
     token_text,
 )
 from veloxquant_mlx.server.tools import (
@@ -38,10 +38,11 @@ router = APIRouter(prefix="/v1")  # the API key is checked before the body (midd
 
 @dataclass(slots=True)
 class PreparedChat:
-    """A submitted chat request: its handle and, when tools are on, its tool-call splitter."""
+    """A submitted chat request: a handle per choice and, when tools are on, a tool-call
+    splitter per choice (each owns its own held-back text)."""
 
-    handle: RequestHandle
-    splitter: ToolCallSplitter | None
+    handles: list[RequestHandle]
+    splitters: list[ToolCallSplitter | None]
 
 
 async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedChat:
@@ -71,16 +72,11 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
             code="unsupported_value",
             param="tool_choice",
         )
-    handle = submit(
-        st,
-        tokens,
-        max_tokens,
-        body,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        grammar=grammar,
-    )
-    return PreparedChat(handle, splitter_for(body, tokenizer))
+    handles = submit_all(
+        st, [tokens], body.n, max_tokens, body,
+        logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,
+    )  # fmt: skip
+    return PreparedChat(handles, [splitter_for(body, tokenizer) for _ in handles])
 
 
 @router.post("/chat/completions", response_model=None)
@@ -88,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     st = state(request)
     arrived = time.monotonic()
     prepared = await prepare_chat(st, body)
-    handle, splitter = prepared.handle, prepared.splitter
+    handles, splitters = prepared.handles, prepared.splitters
     rid, created = new_id("chatcmpl"), int(time.time())
 
     def entry(token: int, lp: float | None) -> dict[str, Any]:
@@ -121,11 +117,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "model": st.model_name,
             "system_fingerprint": fingerprint(st),
         }
-        first = {"sent": False}
+        started = [False] * len(handles)
 
-        def chunk(event: TokenEvent | FinishEvent) -> dict[str, Any] | None:
+        def chunk(index: int, event: TokenEvent | FinishEvent) -> dict[str, Any] | None:
+            splitter = splitters[index]
             delta: dict[str, Any] = {}
-            if not first["sent"]:
+            if not started[index]:
                 delta["role"] = "assistant"
             text, calls = event.text, list[dict[str, Any]]()
             if splitter is not None:
@@ -140,44 +137,50 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             if isinstance(event, TokenEvent):
                 if not delta and event.logprob is None:
                     return None  # held back: part of a tool call
-                first["sent"] = True
+                started[index] = True
                 return {**base, "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs_json([event]),
+                    {"index": index, "delta": delta, "logprobs": logprobs_json([event]),
                      "finish_reason": None}
                 ]}  # fmt: skip
-            first["sent"] = True
+            started[index] = True
             n_calls = splitter.n_calls if splitter is not None else 0
             return {**base, "choices": [
-                {"index": 0, "delta": delta, "logprobs": None,
+                {"index": index, "delta": delta, "logprobs": None,
                  "finish_reason": finish_reason(event.finish_reason, n_calls)}
             ]}  # fmt: skip
 
-        return await sse_response(request, st, body, handle, arrived, base, chunk)
-    outcome = await collect(request, st.engine, handle, st.metrics, arrived)
-    assert outcome.finish is not None
-    message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-    n_calls = 0
-    if splitter is not None:
-        content, calls = splitter.feed(outcome.text)
-        rest, more = splitter.finish()
-        calls += more
-        message["content"] = (content + rest) or None
-        if calls:
-            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-        n_calls = len(calls)
+        return await sse_response(request, st, body, handles, arrived, base, chunk, body.n)
+    outcomes = await collect_all(request, st.engine, handles, st.metrics, arrived)
+    choices = []
+    for index, (outcome, splitter) in enumerate(zip(outcomes, splitters, strict=True)):
+        assert outcome.finish is not None
+        message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
+        n_calls = 0
+        if splitter is not None:
+            content, calls = splitter.feed(outcome.text)
+            rest, more = splitter.finish()
+            calls += more
+            message["content"] = (content + rest) or None
+            if calls:
+                message["tool_calls"] = [
+                    {key: v for key, v in c.items() if key != "index"} for c in calls
+                ]
+            n_calls = len(calls)
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs_json(outcome.tokens),
+                "finish_reason": finish_reason(outcome.finish.finish_reason, n_calls),
+            }
+        )
+    finishes = [o.finish for o in outcomes if o.finish is not None]
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": st.model_name,
         "system_fingerprint": fingerprint(st),
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs_json(outcome.tokens),
-                "finish_reason": finish_reason(outcome.finish.finish_reason, n_calls),
-            }
-        ],
-        "usage": usage_json(outcome.finish),
+        "choices": choices,
+        "usage": usage_json_many(finishes, body.n),
     }

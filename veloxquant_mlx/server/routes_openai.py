@@ -8,15 +8,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
-from veloxquant_mlx.server.deps import state
-from veloxquant_mlx.server.generation import collect, new_id, usage_json
+from veloxquant_mlx.server.deps import AppState, state
+from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.schemas import CompletionRequest
 from veloxquant_mlx.server.submission import (
     check_model,
     fingerprint,
     model_card,
     sse_response,
-    submit,
+    submit_all,
     token_text,
 )
 
@@ -38,21 +39,39 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 # ---------------------------------------------------------------------- completions
 
 
+def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
+    """The prompt(s) as token ids: a string, token ids, or a list of either (one choice set
+    per prompt)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], (str, list)):
+        prompts = list(prompt)
+    else:
+        prompts = [prompt]
+    if len(prompts) > st.settings.max_n:
+        raise APIError(
+            400,
+            f"at most {st.settings.max_n} prompts per request on this server (--max-n)",
+            code="invalid_value",
+            param="prompt",
+        )
+    return [
+        (st.engine.tokenizer.encode(p) if p else []) if isinstance(p, str) else [int(t) for t in p]
+        for p in prompts
+    ]
+
+
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
     check_model(st, body.model)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    tokens: list[int] = (
-        (st.engine.tokenizer.encode(prompt) if prompt else [])
-        if isinstance(prompt, str)
-        else [int(t) for t in prompt]  # type: ignore[arg-type]
-    )
     k = body.logprobs
-    handle = submit(st, tokens, body.max_tokens, body, logprobs=k is not None, top_logprobs=k or 0)
+    handles = submit_all(
+        st, _prompts(st, body), body.n, body.max_tokens, body,
+        logprobs=k is not None, top_logprobs=k or 0,
+    )  # fmt: skip
     rid, created = new_id("cmpl"), int(time.time())
     base = {
         "id": rid,
@@ -81,30 +100,35 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     if body.stream:
 
-        def chunk(event: TokenEvent | FinishEvent) -> dict[str, Any]:
+        def chunk(index: int, event: TokenEvent | FinishEvent) -> dict[str, Any]:
             if isinstance(event, TokenEvent):
                 choice = {
-                    "index": 0,
+                    "index": index,
                     "text": event.text,
                     "logprobs": logprobs_json([event]),
                     "finish_reason": None,
                 }
             else:
                 choice = {
-                    "index": 0,
+                    "index": index,
                     "text": event.text,
                     "logprobs": None,
                     "finish_reason": event.finish_reason,
                 }
             return {**base, "choices": [choice]}
 
-        return await sse_response(request, st, body, handle, arrived, base, chunk)
-    outcome = await collect(request, st.engine, handle, st.metrics, arrived)
-    assert outcome.finish is not None
-    choice = {
-        "index": 0,
-        "text": outcome.text,
-        "logprobs": logprobs_json(outcome.tokens),
-        "finish_reason": outcome.finish.finish_reason,
-    }
-    return {**base, "choices": [choice], "usage": usage_json(outcome.finish)}
+        return await sse_response(request, st, body, handles, arrived, base, chunk, body.n)
+    outcomes = await collect_all(request, st.engine, handles, st.metrics, arrived)
+    choices = []
+    for index, outcome in enumerate(outcomes):
+        assert outcome.finish is not None
+        choices.append(
+            {
+                "index": index,
+                "text": outcome.text,
+                "logprobs": logprobs_json(outcome.tokens),
+                "finish_reason": outcome.finish.finish_reason,
+            }
+        )
+    finishes = [o.finish for o in outcomes if o.finish is not None]
+    return {**base, "choices": choices, "usage": usage_json_many(finishes, body.n)}

@@ -13,12 +13,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import from_finish
 from veloxquant_mlx.server.generation import RESULTS, collect, first_batch
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
+from veloxquant_mlx.server.tools import ToolCallSplitter
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -101,19 +103,20 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     body = to_chat(req)
     prepared = await prepare_chat(st, body)
     built = Built(req, st.model_name)
+    handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     if req.stream:
-        first = await first_batch(request, st.engine, prepared.handle)
+        first = await first_batch(request, st.engine, handle)
         return StreamingResponse(
-            _events(st, built, prepared, first, arrived),
+            _events(st, built, handle, splitter, first, arrived),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    outcome = await collect(request, st.engine, prepared.handle, st.metrics, arrived)
+    outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     text, calls = outcome.text, list[dict[str, Any]]()
-    if prepared.splitter is not None:
-        text, calls = prepared.splitter.feed(outcome.text)
-        rest, more = prepared.splitter.finish()
+    if splitter is not None:
+        text, calls = splitter.feed(outcome.text)
+        rest, more = splitter.finish()
         text, calls = text + rest, calls + more
     if text or not calls:
         built.output.append(built.message_item(text, "completed"))
@@ -122,11 +125,15 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
 
 
 async def _events(
-    st: AppState, built: Built, prepared: Any, first: Any, arrived: float
+    st: AppState,
+    built: Built,
+    handle: RequestHandle,
+    splitter: ToolCallSplitter | None,
+    first: Any,
+    arrived: float,
 ) -> AsyncIterator[bytes]:
     """response.created ... output_text.delta ... response.completed, as OpenAI sends them."""
     seq = 0
-    handle, splitter = prepared.handle, prepared.splitter
 
     def event(kind: str, **data: Any) -> bytes:
         nonlocal seq

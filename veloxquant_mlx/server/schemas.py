@@ -63,7 +63,7 @@ class _Sampling(BaseModel):
     seed: (
         Annotated[StrictInt, Field(ge=SamplingParams.SEED_MIN, le=SamplingParams.SEED_MAX)] | None
     ) = None
-    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=128)] = 1  # at most --max-n (checked per server)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
@@ -90,9 +90,9 @@ class CompletionRequest(_Sampling):
     prompt: (
         Text
         | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=128)]
         | Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=128)
         ]
     )
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None

@@ -3,6 +3,8 @@ SSE response, fingerprints."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,13 @@ from veloxquant_mlx.engine.types import (
 )
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.errors import APIError, from_engine
-from veloxquant_mlx.server.generation import first_batch, stream_events, usage_json
+from veloxquant_mlx.server.generation import (
+    first_batch,
+    stream_choices,
+    stream_events,
+    usage_json,
+    usage_json_many,
+)
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -93,6 +101,7 @@ def submit(
     logprobs: bool,
     top_logprobs: int,
     grammar: str | None = None,
+    seed_offset: int = 0,
 ) -> RequestHandle:
     """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""
     if st.draining:
@@ -120,10 +129,13 @@ def submit(
                 code="context_length_exceeded",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             )
+    params = sampling(body, vocab)
+    if seed_offset and params.seed is not None:  # choice k of n: its own stream of draws
+        params = dataclasses.replace(params, seed=(params.seed + seed_offset) % 2**64)
     request = GenerationRequest(
         tuple(prompt),
         max_tokens,
-        sampling(body, vocab),
+        params,
         stop=tuple(body.stop or ()),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -135,28 +147,73 @@ def submit(
         raise from_engine(exc) from None
 
 
+def submit_all(
+    st: AppState,
+    prompts: list[list[int]],
+    n: int,
+    max_tokens: int | None,
+    body: CompletionRequest | ChatCompletionRequest,
+    **kw: Any,
+) -> list[RequestHandle]:
+    """``n`` choices for each prompt (choice ``p * n + k``), each its own engine request; a
+    refusal of any cancels those already queued. ``n`` is at most ``--max-n``."""
+    if n > st.settings.max_n:
+        raise APIError(
+            400,
+            f"n must be at most {st.settings.max_n} on this server (--max-n)",
+            code="invalid_value",
+            param="n",
+        )
+    handles: list[RequestHandle] = []
+    try:
+        for prompt in prompts:
+            for k in range(n):
+                handles.append(submit(st, prompt, max_tokens, body, seed_offset=k, **kw))
+    except BaseException:
+        for handle in handles:
+            st.engine.cancel(handle)
+        raise
+    return handles
+
+
 async def sse_response(
     request: Request,
     st: AppState,
     body: CompletionRequest | ChatCompletionRequest,
-    handle: RequestHandle,
+    handles: list[RequestHandle],
     arrived: float,
     base: dict[str, Any],
-    chunk: Callable[[TokenEvent | FinishEvent], dict[str, Any] | None],
+    chunk: Callable[[int, TokenEvent | FinishEvent], dict[str, Any] | None],
+    n: int = 1,
 ) -> StreamingResponse:
-    """The SSE response: ``chunk`` per event, a usage chunk if asked, ``[DONE]``. Nothing is
-    sent before the first event, so an error before it gets its HTTP status."""
-
-    def usage_chunk(finish: FinishEvent) -> dict[str, Any]:
-        return {**base, "choices": [], "usage": usage_json(finish)}
-
+    """The SSE response: ``chunk(choice index, event)`` per event, a usage chunk if asked,
+    ``[DONE]``. Nothing is sent before every choice's first event, so an error before it gets
+    its HTTP status."""
     include = bool(body.stream_options and body.stream_options.include_usage)
-    first = await first_batch(request, st.engine, handle)
-    return StreamingResponse(
-        stream_events(st.engine, handle, st.metrics, arrived, chunk, include, usage_chunk, first),
-        media_type="text/event-stream",
-        headers=_SSE_HEADERS,
-    )
+    try:
+        firsts = [await first_batch(request, st.engine, h) for h in handles]
+    except BaseException:
+        for handle in handles:
+            st.engine.cancel(handle)
+        raise
+    if len(handles) == 1:
+
+        def usage_one(finish: FinishEvent) -> dict[str, Any]:
+            return {**base, "choices": [], "usage": usage_json(finish)}
+
+        body_iter = stream_events(
+            st.engine, handles[0], st.metrics, arrived, functools.partial(chunk, 0), include,
+            usage_one, firsts[0],
+        )  # fmt: skip
+    else:
+
+        def usage_many(finishes: list[FinishEvent]) -> dict[str, Any]:
+            return {**base, "choices": [], "usage": usage_json_many(finishes, n)}
+
+        body_iter = stream_choices(
+            st.engine, handles, st.metrics, arrived, chunk, include, usage_many, firsts
+        )
+    return StreamingResponse(body_iter, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 def token_text(st: AppState, token: int) -> str:
