@@ -160,3 +160,34 @@ def test_streamed_choices_are_each_complete(oai):
                                    temperature=0)  # fmt: skip
     ends = [c.choices[0].index for c in plain if c.choices and c.choices[0].finish_reason]
     assert sorted(ends) == [0, 1]
+
+
+def test_echo_with_prompt_logprobs_and_no_generation_scores_the_prompt(oai, default_model):
+    """lm-eval-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
+    import mlx.core as mx
+
+    model, tokenizer = default_model
+    prompt = "the pool holds the cache"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    ids = tokenizer.encode(prompt)
+    assert choice.text == tokenizer.decode(ids) and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    ref = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-3
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # echo with generation: the prompt's scores, then the completion's
+    both = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                  logprobs=0, temperature=0)  # fmt: skip
+    assert both.choices[0].text.startswith(choice.text)
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    assert both.choices[0].logprobs.text_offset[len(ids)] == len(choice.text)
+
+
+def test_max_tokens_zero_needs_echo(oai):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert "echo" in info.value.body["message"]

@@ -81,7 +81,7 @@ COMPLETION_CASES = [
     ("prompt", 42, "prompt"),
     ("logprobs", 6, "logprobs"),
     ("logprobs", -1, "logprobs"),
-    ("echo", True, "echo"),
+    ("echo", "yes", "echo"),
     ("suffix", "tail", "suffix"),
     ("model", 7, "model"),
     ("model", "", "model"),

@@ -12,6 +12,7 @@ from typing import Any
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.loop import Counters, EngineLoop
+from veloxquant_mlx.engine.scoring import prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
     EngineNotReadyError,
@@ -211,6 +212,25 @@ class Engine(EngineLoop):
         if isinstance(target_free, bool) or not isinstance(target_free, int) or target_free < 0:
             raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
         return int(self._call(lambda: self._shrink(stream, target_free), timeout))
+
+    def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
+        """Prompt logprobs (``scoring.prompt_logprobs``), computed on the engine thread between
+        steps. Blocks the caller (use a worker thread from async code).
+
+        Raises:
+            InvalidRequestError: Token ids outside the vocabulary, or over the context window.
+            EngineNotReadyError: If the engine is down.
+        """
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", "prompt")
+        window = self.context_window
+        if window is not None and len(prompt) > window:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {window} tokens. However, the prompt "
+                f"is {len(prompt)} tokens.",
+                "prompt",
+            )
+        return list(self._call(lambda: prompt_logprobs(self._model, prompt, top), timeout))
 
     def stats(self) -> EngineStats:
         """A frozen snapshot of the counters. Thread-safe."""

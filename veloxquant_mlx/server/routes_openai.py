@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+from veloxquant_mlx.engine.types import EngineError, FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
-from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.errors import APIError, from_engine
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.schemas import CompletionRequest
 from veloxquant_mlx.server.submission import (
@@ -62,16 +63,54 @@ def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
     ]
 
 
+async def _echoes(st: AppState, body: CompletionRequest, prompts: list[list[int]]) -> list[Any]:
+    """Per prompt: its text and, when logprobs are asked, each token's score (engine thread)."""
+    out = []
+    for prompt in prompts:
+        if not prompt:
+            raise APIError(
+                400, "the prompt must not be empty", code="invalid_value", param="prompt"
+            )
+        scores = None
+        if body.logprobs is not None:
+            try:
+                scores = await asyncio.to_thread(st.engine.score, tuple(prompt), body.logprobs)
+            except EngineError as exc:
+                raise from_engine(exc) from None
+        out.append((st.engine.tokenizer.decode(prompt), prompt, scores))
+    return out
+
+
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
     check_model(st, body.model)
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(
+            400, "max_tokens 0 is only allowed with echo: true", code="invalid_value",
+            param="max_tokens",
+        )  # fmt: skip
+    if body.echo and body.stream:
+        raise APIError(
+            400, "echo is not supported with stream: true", code="invalid_value", param="echo"
+        )
     k = body.logprobs
-    handles = submit_all(
-        st, _prompts(st, body), body.n, body.max_tokens, body,
-        logprobs=k is not None, top_logprobs=k or 0,
-    )  # fmt: skip
+    prompts = _prompts(st, body)
+    echoes = await _echoes(st, body, prompts) if body.echo else None
+    handles = (
+        submit_all(
+            st,
+            prompts,
+            body.n,
+            body.max_tokens,
+            body,
+            logprobs=k is not None,
+            top_logprobs=k or 0,
+        )
+        if body.max_tokens != 0
+        else []
+    )
     rid, created = new_id("cmpl"), int(time.time())
     base = {
         "id": rid,
@@ -81,22 +120,32 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         "system_fingerprint": fingerprint(st),
     }
 
-    def logprobs_json(events: list[TokenEvent]) -> dict[str, Any] | None:
+    def logprobs_json(
+        ids: list[int], lps: list[float | None], tops: list[Any], start: int = 0
+    ) -> dict[str, Any] | None:
         if k is None:
             return None
-        offsets, pos, texts = [], 0, []
-        for e in events:
+        texts = [token_text(st, t) for t in ids]
+        offsets, pos = [], start
+        for text in texts:
             offsets.append(pos)
-            pos += len(e.text)
-            texts.append(token_text(st, e.token_id))
+            pos += len(text)
         return {
             "tokens": texts,
-            "token_logprobs": [e.logprob for e in events],
+            "token_logprobs": lps,
             "top_logprobs": [
-                {token_text(st, t): lp for t, lp in e.top_logprobs} if k else None for e in events
+                {token_text(st, t): lp for t, lp in top} if k and top else None for top in tops
             ],
             "text_offset": offsets,
         }
+
+    def events_json(events: list[TokenEvent], start: int = 0) -> dict[str, Any] | None:
+        return logprobs_json(
+            [e.token_id for e in events],
+            [e.logprob for e in events],
+            [e.top_logprobs for e in events],
+            start,
+        )
 
     if body.stream:
 
@@ -105,7 +154,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 choice = {
                     "index": index,
                     "text": event.text,
-                    "logprobs": logprobs_json([event]),
+                    "logprobs": events_json([event]),
                     "finish_reason": None,
                 }
             else:
@@ -118,17 +167,36 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             return {**base, "choices": [choice]}
 
         return await sse_response(request, st, body, handles, arrived, base, chunk, body.n)
-    outcomes = await collect_all(request, st.engine, handles, st.metrics, arrived)
+    outcomes = (
+        await collect_all(request, st.engine, handles, st.metrics, arrived) if handles else []
+    )
     choices = []
-    for index, outcome in enumerate(outcomes):
-        assert outcome.finish is not None
-        choices.append(
-            {
-                "index": index,
-                "text": outcome.text,
-                "logprobs": logprobs_json(outcome.tokens),
-                "finish_reason": outcome.finish.finish_reason,
-            }
-        )
-    finishes = [o.finish for o in outcomes if o.finish is not None]
-    return {**base, "choices": choices, "usage": usage_json_many(finishes, body.n)}
+    for index in range(len(prompts) * body.n):
+        outcome = outcomes[index] if outcomes else None
+        text, lp = "", None
+        if echoes is not None:
+            text, prompt, scores = echoes[index // body.n]
+            if scores is not None:
+                lp = logprobs_json(prompt, [s[0] for s in scores], [s[1] for s in scores])
+        if outcome is not None:
+            more = events_json(outcome.tokens, len(text))
+            if lp is not None and more is not None:
+                lp = {key: lp[key] + more[key] for key in lp}
+            elif more is not None:
+                lp = more
+            text += outcome.text
+        finish = outcome.finish.finish_reason if outcome and outcome.finish else "length"
+        choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
+    if outcomes:
+        finishes = [o.finish for o in outcomes if o.finish is not None]
+        usage = usage_json_many(finishes, body.n)
+    else:  # scored only
+        n_prompt = sum(len(p) for p in prompts)
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": 0,
+            "total_tokens": n_prompt,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        }
+    return {**base, "choices": choices, "usage": usage}

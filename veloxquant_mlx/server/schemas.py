@@ -96,8 +96,10 @@ class CompletionRequest(_Sampling):
         ]
     )
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
-    echo: Literal[False] = False
+    echo: StrictBool = False  # the prompt comes back first (with its logprobs if asked)
     suffix: None = None
+    # 0 only with echo: score the prompt, generate nothing (lm-eval-harness's loglikelihood)
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=1_000_000)] | None = None
 
 
 class ContentPart(BaseModel):
