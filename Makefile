@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps run test lint typecheck pytest bench loadtest compare soak clean
+.PHONY: install system-deps run test lint typecheck pytest bench loadtest compare soak compat clean
 
 ARGS ?=
 
@@ -69,5 +69,19 @@ MINUTES ?= 5
 soak: $(STAMP)
 	$(PY) -m loadtest.soak --minutes $(MINUTES) --json soak-report.json $(ARGS)
 
+# Third-party clients (LangChain, LiteLLM, instructor, pydantic-ai) against real servers, in their
+# own virtualenv: their pins (instructor's jiter) would hold back the SDK the main suite tests.
+CVENV  := .venv-compat
+CSTAMP := $(CVENV)/.installed
+$(CSTAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(CVENV)/bin/python || $(PYTHON) -m venv $(CVENV)
+	$(CVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CVENV)/bin/python -m pip install --quiet -e ".[test,compat]"
+	touch $(CSTAMP)
+
+compat: $(CSTAMP)
+	VQ_COMPAT=1 $(CVENV)/bin/python -m pytest tests/compat $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CVENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -13,6 +13,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from veloxquant_mlx.blas import ensure_blas
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
+# The third-party client suite needs its own virtualenv (`make compat`, the "compat" extra).
+collect_ignore = [] if os.environ.get("VQ_COMPAT") else ["compat"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Re-execute pytest once with an optimized BLAS and the gemv forwarder preloaded.

@@ -10,8 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.e2e.conftest import MODEL
-from tests.e2e.test_tools import WEATHER, tool_server  # noqa: F401  (fixture)
+from tests.e2e.conftest import MODEL, WEATHER
 
 pytestmark = pytest.mark.usefixtures("pool_free_after")
 
@@ -81,7 +80,7 @@ def test_structured_output_with_parse(oai):
         assert isinstance(r.output_parsed, Answer), (seed, r.output_text)
 
 
-def test_tools_required_gives_function_call_items(tool_server):  # noqa: F811
+def test_tools_required_gives_function_call_items(tool_server):
     client = openai.OpenAI(base_url=f"{tool_server.base_url}/v1", api_key="x", max_retries=0)
     fn = {"type": "function", **WEATHER["function"]}
     r = client.responses.create(

@@ -6,71 +6,12 @@ function must come out as valid calls every time because the grammar makes them.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, Server, start_server, stop_server
-
-TOOL_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\nTools (call one as <tool_call>"
-    '{"name": ..., "arguments": {...}}</tool_call>):\n'
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
-    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
-    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
-    "</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                "unit": {"type": "string", "enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
-    model = tmp_path_factory.mktemp("tool-model") / MODEL
-    shutil.copytree(default_model_dir, model)
-    config_path = model / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TOOL_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
-    srv = start_server(tmp_path_factory.mktemp("tools"), "--model", str(model))
-    yield srv
-    srv.wait_pool_free()
-    assert stop_server(srv) == 0, srv.log()
+from tests.e2e.conftest import MODEL, TIME, WEATHER
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,30 @@ COMPACT: dict[str, Any] = {
 }
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists properties
+    and says nothing about others (vLLM's xgrammar does the same by default). JSON Schema allows
+    extra keys unless told otherwise, and a weak model then writes keys nobody asked for; the
+    clients that send schemas (the SDK's ``parse``, instructor, LangChain, pydantic-ai) mean
+    only the fields they declare. A schema that sets ``additionalProperties`` keeps it."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k != "const" and k != "enum" and k != "default" else v
+           for k, v in schema.items()}  # fmt: skip
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_grammar(schema: dict[str, Any]) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT)  # type: ignore[arg-type]
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(closed(schema)),
+        defaults=COMPACT,  # type: ignore[arg-type]
+    )
 
 
 async def grammar_for(fmt: ResponseFormat | None, engine: Engine) -> str | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, NamedToolChoice, Tool
-from veloxquant_mlx.server.structured import COMPACT
+from veloxquant_mlx.server.structured import COMPACT, closed
 
 
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -68,9 +68,10 @@ def template_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict[str
 
 
 def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
-    """A grammar that makes the model call a tool, for ``tool_choice`` "required" or a named
-    function; None otherwise. Supported for the JSON-in-tags format (Hermes, Qwen 2.5/3 and
-    most others that mlx_lm parses with ``json_tools``): ``<tool_call>{"name": ..., "arguments":
+    """A grammar that makes the model call one tool, for ``tool_choice`` "required" or a named
+    function; None otherwise (parallel calls come only from "auto"). Supported for the
+    JSON-in-tags format (Hermes, Qwen 2.5/3 and most others that mlx_lm parses with
+    ``json_tools``): ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>``, the arguments following the function's ``parameters`` schema.
 
     Raises:
@@ -96,7 +97,7 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                "arguments": closed(t.function.parameters or {"type": "object"}),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -105,10 +106,10 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     ]
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": COMPACT}
+    # Exactly one call, then end of sequence: a grammar that allowed more would leave the
+    # choice to stop to the model, and a weak one runs on into a cut-off second call.
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-    one = f"{json.dumps(start)} call {json.dumps(end)}"
-    repeat = f' ("\\n" {one})*' if body.parallel_tool_calls else ""
-    return f"start: {one}{repeat}\ncall: %json {json.dumps(schema)}\n"
+    return f"start: {json.dumps(start)} call {json.dumps(end)}\ncall: %json {json.dumps(schema)}\n"
 
 
 @dataclass(slots=True)
