@@ -62,3 +62,24 @@ def test_a_partial_tag_at_a_chunk_end_is_held_not_lost():
     splitter = ToolCallSplitter(START, END, parse_tool_call, None)
     assert splitter.feed("abc<tool_") == ("abc", [])
     assert splitter.feed("x") == ("<tool_x", [])
+
+
+def test_closed_schemas_add_additional_properties_false_only_where_silent():
+    from veloxquant_mlx.server.structured import closed
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "items": {"type": "array", "items": {"properties": {"y": {}}}},
+            "fixed": {"const": {"properties": {"z": 1}}},
+        },
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["inner"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert out["properties"]["items"]["items"]["additionalProperties"] is False
+    assert out["properties"]["fixed"] == {"const": {"properties": {"z": 1}}}  # a value, untouched
+    assert "additionalProperties" not in schema  # the input is not changed
