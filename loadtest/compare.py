@@ -37,14 +37,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def peak_rss_mb(pid: int) -> float:
+def proc_status_mb(pid: int, field: str) -> float:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB; NaN if unreadable."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return float("nan")
+
+
+def peak_rss_mb(pid: int) -> float:
+    return proc_status_mb(pid, "VmHWM")
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.compare import free_port, server
+from loadtest.compare import free_port, proc_status_mb, server
 from loadtest.probe import _idle
 
 MODEL = "veloxquant-tiny-llama"
@@ -70,13 +70,7 @@ class Report:
 
 
 def rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    return proc_status_mb(pid, "VmRSS")
 
 
 def _prompt(rng: random.Random) -> str:

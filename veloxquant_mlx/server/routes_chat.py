@@ -24,6 +24,7 @@ from veloxquant_mlx.server.submission import (
 )
 from veloxquant_mlx.server.tools import (
     ToolCallSplitter,
+    split,
     splitter_for,
     template_messages,
     template_tools,
@@ -124,12 +125,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             delta: dict[str, Any] = {}
             if not started[index]:
                 delta["role"] = "assistant"
-            text, calls = event.text, list[dict[str, Any]]()
-            if splitter is not None:
-                text, calls = splitter.feed(event.text)
-                if isinstance(event, FinishEvent):
-                    rest, more = splitter.finish()
-                    text, calls = text + rest, calls + more
+            text, calls = split(splitter, event.text, isinstance(event, FinishEvent))
             if text or (isinstance(event, TokenEvent) and splitter is None):
                 delta["content"] = text
             if calls:
@@ -155,17 +151,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     for index, (outcome, splitter) in enumerate(zip(outcomes, splitters, strict=True)):
         assert outcome.finish is not None
         message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-        n_calls = 0
+        content, calls = split(splitter, outcome.text, final=True)
         if splitter is not None:
-            content, calls = splitter.feed(outcome.text)
-            rest, more = splitter.finish()
-            calls += more
-            message["content"] = (content + rest) or None
-            if calls:
-                message["tool_calls"] = [
-                    {key: v for key, v in c.items() if key != "index"} for c in calls
-                ]
-            n_calls = len(calls)
+            message["content"] = content or None
+        if calls:
+            message["tool_calls"] = [
+                {key: v for key, v in c.items() if key != "index"} for c in calls
+            ]
+        n_calls = len(calls)
         choices.append(
             {
                 "index": index,

@@ -20,7 +20,7 @@ from veloxquant_mlx.server.errors import from_finish
 from veloxquant_mlx.server.generation import RESULTS, collect, first_batch
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
-from veloxquant_mlx.server.tools import ToolCallSplitter
+from veloxquant_mlx.server.tools import ToolCallSplitter, split
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -113,11 +113,7 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
         )
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
-    text, calls = outcome.text, list[dict[str, Any]]()
-    if splitter is not None:
-        text, calls = splitter.feed(outcome.text)
-        rest, more = splitter.finish()
-        text, calls = text + rest, calls + more
+    text, calls = split(splitter, outcome.text, final=True)
     if text or not calls:
         built.output.append(built.message_item(text, "completed"))
     built.output += [built.call_item(c) for c in calls]
@@ -202,12 +198,7 @@ async def _events(
                     times.append(ev.time)
                 else:
                     finish = ev
-                text, calls = ev.text, list[dict[str, Any]]()
-                if splitter is not None:
-                    text, calls = splitter.feed(ev.text)
-                    if isinstance(ev, FinishEvent):
-                        rest, more = splitter.finish()
-                        text, calls = text + rest, calls + more
+                text, calls = split(splitter, ev.text, isinstance(ev, FinishEvent))
                 if text:
                     out += text_delta(text)
                 out += call_events(calls)

@@ -201,6 +201,17 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def split(splitter: ToolCallSplitter | None, text: str, final: bool) -> tuple[str, list[Any]]:
+    """``text`` (and, when ``final``, whatever was held) as content and completed calls."""
+    if splitter is None:
+        return text, []
+    content, calls = splitter.feed(text)
+    if final:
+        rest, more = splitter.finish()
+        content, calls = content + rest, calls + more
+    return content, calls
+
+
 def splitter_for(body: ChatCompletionRequest, tokenizer: Any) -> ToolCallSplitter | None:
     """A splitter when this request may produce tool calls, else None."""
     tools = template_tools(body, tokenizer)
