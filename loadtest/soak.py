@@ -1,7 +1,8 @@
 """``python -m loadtest.soak --minutes N``: a bounded soak of our server on loopback.
 
 Starts its own server process (so it can read its memory), then for N minutes runs mixed
-traffic from ``--clients`` threads: full streams, chat, seeded sampling, streams and
+traffic from ``--clients`` threads: full streams, chat, seeded sampling, structured outputs
+(streamed or not; the JSON must parse), several choices over a list of prompts, streams and
 non-streamed requests abandoned midway (cancels), bad inputs of every kind, while an operator
 thread shrinks the pool (which grows back on demand) and a scraper reads /metrics every second.
 
@@ -32,6 +33,14 @@ from loadtest.compare import free_port, proc_status_mb, server
 from loadtest.probe import _idle
 
 MODEL = "veloxquant-tiny-llama"
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+    },
+    "required": ["kind", "legs"],
+}
 
 # Bad inputs: (path, raw body) and the status a truthful server answers.
 BAD_INPUTS: list[tuple[str, bytes, int]] = [
@@ -84,9 +93,10 @@ def client_loop(base: str, rep: Report, deadline: float, seed: int, lock: thread
     with httpx.Client(base_url=base, timeout=60) as http:
         while time.monotonic() < deadline:
             kind = rng.choices(
-                ["stream", "chat", "seeded", "cancel_stream", "cancel_plain", "bad"],
-                weights=[35, 15, 10, 10, 10, 20],
-            )[0]
+                ["stream", "chat", "seeded", "structured", "choices", "cancel_stream",
+                 "cancel_plain", "bad"],
+                weights=[30, 12, 8, 8, 4, 9, 9, 20],
+            )[0]  # fmt: skip
             try:
                 status, ok, tokens, note = _one(http, kind, rng)
             except httpx.HTTPError as exc:
@@ -144,6 +154,42 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
         except httpx.TimeoutException:
             return 0, True, 0, ""
         return r.status_code, r.status_code == 200 or _honest(r), 0, ""
+    if kind == "structured":  # constrained decoding, batched with the rest; must parse
+        messages = [{"role": "user", "content": _prompt(rng)}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}}
+        body = {"model": MODEL, "messages": messages, "max_tokens": 80, "response_format": fmt,
+                "temperature": rng.uniform(0.2, 1.2), "stream": rng.random() < 0.5}  # fmt: skip
+        if body["stream"]:
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    return r.status_code, _honest(r), 0, ""
+                text = ""
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            return 200, event["error"].get("code") == "capacity_reduced", 0, ""
+                        if event["choices"]:
+                            text += event["choices"][0]["delta"].get("content") or ""
+        else:
+            r = http.post("/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                return r.status_code, _honest(r), 0, ""
+            text = r.json()["choices"][0]["message"]["content"]
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return 200, False, 0, f"not JSON: {text[:60]}"
+        return 200, set(value) == {"kind", "legs"}, 0, text[:60]
+    if kind == "choices":
+        body = {"model": MODEL, "prompt": [_prompt(rng), _prompt(rng)], "n": 2,
+                "max_tokens": max_tokens, "temperature": 0.8}  # fmt: skip
+        r = http.post("/v1/completions", json=body)
+        if r.status_code == 200:
+            ok = sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2, 3]
+            return 200, ok, r.json()["usage"]["completion_tokens"], ""
+        return r.status_code, _honest(r), 0, ""
     if kind == "chat":
         messages = [{"role": "user", "content": _prompt(rng)}]
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}

@@ -123,7 +123,7 @@ def test_logprobs_are_reported_when_asked(engine):
 
 def test_too_large_requests_are_rejected_before_any_allocation(make_engine):
     engine = make_engine(n_blocks=400)
-    with pytest.raises(RequestTooLargeError, match="context window"):
+    with pytest.raises(RequestTooLargeError, match="maximum context length is"):
         engine.submit(request([1] * 2000, max_tokens=100))
     with pytest.raises(RequestTooLargeError, match="whole pool"):
         engine.submit(request([1] * 10, max_tokens=1500))
