@@ -104,9 +104,11 @@ async def test_engine_failure_fails_in_flight_sets_health_503_and_calls_the_exit
 ):
     steps = {"n": 0}
 
-    def fault():
+    def fault():  # once all three requests run, so none is refused at submit instead
+        if engine.stats().running < 3:
+            return
         steps["n"] += 1
-        if steps["n"] == 30:
+        if steps["n"] == 5:
             raise MemoryError("injected engine fault")
 
     s = settings(default_model_dir)
@@ -141,9 +143,10 @@ real, steps = loop.EngineLoop._step, {"n": 0}
 
 
 def step(self):
-    steps["n"] += 1
-    if steps["n"] == 40:
-        raise RuntimeError("injected engine fault")
+    if len(self._running) >= 2:  # both requests in: neither is refused at submit instead
+        steps["n"] += 1
+        if steps["n"] == 10:
+            raise RuntimeError("injected engine fault")
     return real(self)
 
 

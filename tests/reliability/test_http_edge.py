@@ -48,6 +48,15 @@ def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
     )
 
 
+def post_chunked(path: str, parts: list[bytes], extra: bytes = b"") -> bytes:
+    """An authenticated JSON POST whose body is sent in ``parts`` (chunked encoding)."""
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in parts)
+    return (
+        b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n%s"
+        b"Transfer-Encoding: chunked\r\n%s\r\n%s0\r\n\r\n" % (path.encode(), AUTH, extra, chunks)
+    )
+
+
 @pytest.fixture(autouse=True)
 def still_serving(edge_server):
     yield
@@ -126,28 +135,14 @@ def test_bodies_over_the_limit_are_413(edge_server, declared):
     if declared:
         data = post("/v1/completions", body, AUTH)
     else:
-        chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:3000], body[3000:]))
-        data = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            + AUTH
-            + b"Transfer-Encoding: chunked\r\n\r\n"
-            + chunks
-            + b"0\r\n\r\n"
-        )
+        data = post_chunked("/v1/completions", [body[:3000], body[3000:]])
     raw, _ = exchange(edge_server, data)
     assert_error(parse(raw), 413, code="body_too_large")
 
 
 def test_a_chunked_body_under_the_limit_is_served(edge_server):
     body = json.dumps({"model": "veloxquant-tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:10], body[10:]))
-    data = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        + AUTH
-        + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-        + chunks
-        + b"0\r\n\r\n"
-    )
+    data = post_chunked("/v1/completions", [body[:10], body[10:]], b"Connection: close\r\n")
     raw, _ = exchange(edge_server, data)
     r = parse(raw)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,60 +125,36 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def _chain(first: list[Event], rest: AsyncIterator[list[Event]]):
+async def chain(first: list[Event], rest: AsyncIterator[list[Event]]):
+    """The batches of one request: ``first`` (from ``first_batch``), then the rest."""
     yield first
     if not isinstance(first[-1], FinishEvent):
         async for batch in rest:
             yield batch
 
 
-async def stream_events(
-    engine: Engine,
-    handle: RequestHandle,
-    metrics: Metrics,
-    arrived: float,
-    chunk: Any,
-    include_usage: bool,
-    usage_chunk: Any,
-    first: tuple[list[Event], AsyncIterator[list[Event]]],
-) -> AsyncIterator[bytes]:
-    """SSE bytes: ``chunk(event)`` per event, then usage if asked, then ``[DONE]``. Events
-    that arrived together are written together. ``first`` is what ``first_batch`` returned.
+async def _tagged(
+    firsts: list[tuple[list[Event], AsyncIterator[list[Event]]]],
+) -> AsyncGenerator[tuple[int, list[Event]], None]:
+    """Every choice's batches as ``(choice index, batch)`` in arrival order. One choice is read
+    directly; several are pumped into a queue by a task each (cancelled when this closes)."""
+    if len(firsts) == 1:
+        async for batch in chain(*firsts[0]):
+            yield 0, batch
+        return
+    queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
 
-    If the client goes away, Starlette cancels this generator and the request is cancelled.
-    A request that ends without a result mid-stream gets an error event (OpenAI's error shape,
-    the code saying why), then ``[DONE]``.
-    """
-    times: list[float] = []
-    finish: FinishEvent | None = None
+    async def pump(index: int, first: list[Event], rest: AsyncIterator[list[Event]]) -> None:
+        async for batch in chain(first, rest):
+            await queue.put((index, batch))
+
+    pumps = [asyncio.ensure_future(pump(i, first, rest)) for i, (first, rest) in enumerate(firsts)]
     try:
-        async for batch in _chain(*first):
-            out = []
-            for event in batch:
-                if isinstance(event, TokenEvent):
-                    times.append(event.time)
-                    if event.text or event.logprob is not None:
-                        data = chunk(event)  # None: nothing to send yet (held back)
-                        if data is not None:
-                            out.append(sse(data))
-                else:
-                    finish = event
-            if out:
-                yield b"".join(out)
-        assert finish is not None
-        if finish.finish_reason not in RESULTS:
-            err = from_finish(finish)
-            yield sse(error_body(err.status, err.message, err.code))
-        else:
-            yield sse(chunk(finish))
-            if include_usage:
-                yield sse(usage_chunk(finish))
-        yield b"data: [DONE]\n\n"
+        while True:
+            yield await queue.get()
     finally:
-        if not handle.done:
-            engine.cancel(handle)
-        with contextlib.suppress(Exception):
-            metrics.observe(arrived, times, finish.time if finish else time.monotonic())
+        for task in pumps:
+            task.cancel()
 
 
 async def collect_all(
@@ -209,21 +185,21 @@ async def stream_choices(
     usage_chunk: Any,
     firsts: list[tuple[list[Event], AsyncIterator[list[Event]]]],
 ) -> AsyncIterator[bytes]:
-    """``stream_events`` for several choices: ``chunk(index, event)`` as each choice's events
-    arrive, each choice's finish chunk when it ends; a failure of any choice is an error
-    event (the others are cancelled); then usage if asked, then ``[DONE]``."""
-    queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+    """SSE bytes for one or more choices: ``chunk(index, event)`` per event as each choice's
+    events arrive (events that arrived together are written together; ``chunk`` may return
+    None to hold text back), each choice's finish chunk when it ends, then
+    ``usage_chunk(finishes)`` if asked, then ``[DONE]``. ``firsts`` are what ``first_batch``
+    returned per choice.
 
-    async def pump(index: int, first: list[Event], rest: AsyncIterator[list[Event]]) -> None:
-        async for batch in _chain(first, rest):
-            await queue.put((index, batch))
-
-    pumps = [asyncio.ensure_future(pump(i, first, rest)) for i, (first, rest) in enumerate(firsts)]
+    A choice that ends without a result gets an error event (OpenAI's error shape, the code
+    saying why; the other choices are cancelled), then ``[DONE]``. If the client goes away,
+    Starlette cancels this generator and every choice is cancelled.
+    """
     finishes: dict[int, FinishEvent] = {}
     times: list[float] = []
+    batches = _tagged(firsts)
     try:
-        while len(finishes) < len(handles):
-            index, batch = await queue.get()
+        async for index, batch in batches:
             out = []
             for event in batch:
                 if isinstance(event, TokenEvent):
@@ -244,14 +220,16 @@ async def stream_choices(
                 out.append(sse(chunk(index, event)))
             if out:
                 yield b"".join(out)
+            if len(finishes) == len(handles):
+                break
         if include_usage:
             yield sse(usage_chunk([finishes[i] for i in range(len(handles))]))
         yield b"data: [DONE]\n\n"
     finally:
-        for task in pumps:
-            task.cancel()
+        await batches.aclose()
         for handle in handles:
             if not handle.done:
                 engine.cancel(handle)
         with contextlib.suppress(Exception):
-            metrics.observe(arrived, times, time.monotonic())
+            ended = max((f.time for f in finishes.values()), default=time.monotonic())
+            metrics.observe(arrived, times, ended)

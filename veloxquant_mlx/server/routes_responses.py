@@ -17,7 +17,7 @@ from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import from_finish
-from veloxquant_mlx.server.generation import RESULTS, collect, first_batch
+from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.tools import ToolCallSplitter, split
@@ -185,13 +185,7 @@ async def _events(
                 ]  # fmt: skip
             return out
 
-        async def batches() -> AsyncIterator[list[Any]]:
-            yield first[0]
-            if not isinstance(first[0][-1], FinishEvent):
-                async for batch in first[1]:
-                    yield batch
-
-        async for batch in batches():
+        async for batch in chain(*first):
             out: list[bytes] = []
             for ev in batch:
                 if isinstance(ev, TokenEvent):

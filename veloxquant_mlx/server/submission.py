@@ -4,7 +4,6 @@ SSE response, fingerprints."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,6 @@ from veloxquant_mlx.server.errors import APIError, from_engine
 from veloxquant_mlx.server.generation import (
     first_batch,
     stream_choices,
-    stream_events,
-    usage_json,
     usage_json_many,
 )
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -196,23 +193,13 @@ async def sse_response(
         for handle in handles:
             st.engine.cancel(handle)
         raise
-    if len(handles) == 1:
 
-        def usage_one(finish: FinishEvent) -> dict[str, Any]:
-            return {**base, "choices": [], "usage": usage_json(finish)}
+    def usage(finishes: list[FinishEvent]) -> dict[str, Any]:
+        return {**base, "choices": [], "usage": usage_json_many(finishes, n)}
 
-        body_iter = stream_events(
-            st.engine, handles[0], st.metrics, arrived, functools.partial(chunk, 0), include,
-            usage_one, firsts[0],
-        )  # fmt: skip
-    else:
-
-        def usage_many(finishes: list[FinishEvent]) -> dict[str, Any]:
-            return {**base, "choices": [], "usage": usage_json_many(finishes, n)}
-
-        body_iter = stream_choices(
-            st.engine, handles, st.metrics, arrived, chunk, include, usage_many, firsts
-        )
+    body_iter = stream_choices(
+        st.engine, handles, st.metrics, arrived, chunk, include, usage, firsts
+    )
     return StreamingResponse(body_iter, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
