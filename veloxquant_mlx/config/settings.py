@@ -51,12 +51,21 @@ class Settings(BaseSettings):
     max_blocks: int | None = Field(None, ge=1, description="Cap on blocks when growing.")
     max_running: int = Field(32, ge=1, le=1024, description="Requests decoded together at most.")
     max_queue: int = Field(256, ge=1, description="Requests waiting at most (then 429).")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="max_tokens when a request omits it; unset: to EOS or the context end "
+        "(4096 for a model that states no context length).",
+    )
     max_n: int = Field(
         8, ge=1, le=128, description="Choices per request at most (n), and prompts per request."
     )
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
-    prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together at most.")
+    kv_layout: Literal["auto", "paged", "dense"] = Field(
+        "auto",
+        description="Where running requests' KV lives: paged (the pool's blocks, read through "
+        "block tables), dense (a contiguous working set), auto (the measured best per device).",
+    )
     stream_interval_ms: float = Field(
         25.0,
         ge=0,

@@ -21,10 +21,12 @@ class EngineConfig:
     max_running: int = 32
     max_queue: int = 256
     prefill_step: int = 512
-    prefill_batch: int = 8
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
     stream_interval: float = 0.025
+    # Where running rows' KV lives: "paged" (the pool's blocks, read through block tables),
+    # "dense" (a contiguous working set, O(row) joins and leaves), "auto" (the measured best).
+    kv_layout: str = "auto"
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2

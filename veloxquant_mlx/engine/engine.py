@@ -1,18 +1,30 @@
-"""The engine: one thread that owns the model, the pool-backed batch and every MLX call."""
+"""The engine's facade for the server: submit, cancel, shrink, score, stats, shutdown.
+
+The engine thread (``core.EngineCore``) owns the model, the scheduler and every MLX call; this
+class owns that thread and the ``Inbox`` callers talk to it through. Callers never touch the
+scheduler or the runner; they read the pool only through its own thread-safe methods.
+"""
 
 from __future__ import annotations
 
-import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import mlx.core as mx
+
+from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.core import EngineCore, Inbox, Parts
+from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
+from veloxquant_mlx.engine.grammar import grammar_tokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.loop import Counters, EngineLoop
+from veloxquant_mlx.engine.scheduler import Scheduler
 from veloxquant_mlx.engine.scoring import prompt_logprobs
+from veloxquant_mlx.engine.sizing import KVGeometry
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
     EngineNotReadyError,
@@ -22,67 +34,53 @@ from veloxquant_mlx.engine.types import (
     QueueFullError,
     RequestTooLargeError,
 )
+from veloxquant_mlx.pool import BlockPoolAllocator
 
 __all__ = ["Engine", "EngineConfig"]
 
+log = logging.getLogger("veloxquant.engine")
 
-class Engine(EngineLoop):
-    """Runs every request on one thread with mlx_lm's BatchGenerator over pool-backed caches.
 
-    Owns: the engine thread, the model and tokenizer (loaded on that thread), the
-    ``BlockPoolAllocator`` (sized from the model's KV geometry), the BatchGenerator, the waiting
-    FIFO and the running set. ``_lock`` (a Condition) guards the waiting queue, pending cancels,
-    commands and counters; it is never held across an MLX call. Other threads call ``submit``,
-    ``cancel``, ``stats``, ``shrink`` and ``shutdown``; they read the pool only through its own
-    thread-safe methods.
+class Engine:
+    """Runs every request on one engine thread, batched over the pool's KV memory.
 
-    A request is admitted only when the pool can hold it to its end alongside every running
-    request (see ``Admission``); until then it waits in FIFO order. Whatever ends a request
-    (finish, stop string, cancel, error, shutdown), its blocks are released in a ``finally``
-    with ``pool.free_all(request_id)``.
+    A request is admitted when the pool holds its prompt now (``max_tokens`` is not reserved);
+    when the pool runs out mid-decode the newest request is preempted and recomputed later
+    (``scheduler``). Whatever ends a request (finish, stop string, cancel, error, shutdown), its
+    blocks are released in a ``finally``.
 
     Args:
         config: What to load and how to size and batch.
-        step_hook: Called on the engine thread before every step (tests inject faults here).
+        step_hook: Called on the engine thread before every turn (tests inject faults here).
     """
 
     def __init__(self, config: EngineConfig, *, step_hook: Callable[[], None] | None = None):
         self.config = config
         self._step_hook = step_hook
-        self._lock = threading.Condition()
-        self._waiting = collections.deque()
-        self._cancels = set()
-        self._commands = collections.deque()
-        self._counters = Counters()
+        self._inbox = Inbox()
         self._next_request_id = 0
         self._ready = threading.Event()
-        self._draining = False
-        self._drain_deadline = None
-        self._alive = False
-        self._load_error = None
-        self._running = {}  # engine thread only
-        self._faulted = []  # engine thread only
+        self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
-        # Set on the engine thread during load, read-only afterwards (types: EngineLoop).
-        self.pool = None
-        self.tokenizer = None
+        self._core: EngineCore | None = None
+        # Set on the engine thread during load, read-only afterwards.
+        self.pool: BlockPoolAllocator | None = None
+        self.tokenizer: Any = None
         self.model_name = ""
-        self.geometry = None
+        self.geometry: KVGeometry | None = None
         self.kv_bytes_per_block = 0
         self.blas = "unknown"
         self.device = "unknown"
         self.vocab_size = 0
-        self.token_bytes = None
-        self.ll_tokenizer = None
-        self._model = None
-        self._new_detokenizer = None
-        self._generator = None
-        self._admission = None
+        self.token_bytes: list[bytes] | None = None
+        self.ll_tokenizer: Any = None
+        self._model: Any = None
+        self._scheduler: Scheduler | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Engine:
-        self._alive = True
+        self._inbox.alive = True
         self._thread.start()
         return self
 
@@ -97,7 +95,7 @@ class Engine(EngineLoop):
 
     @property
     def alive(self) -> bool:
-        return self._alive and self._thread.is_alive()
+        return self._inbox.alive and self._thread.is_alive()
 
     @property
     def ready(self) -> bool:
@@ -105,76 +103,135 @@ class Engine(EngineLoop):
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self._inbox.draining
 
     @property
     def context_window(self) -> int | None:
         return self.geometry.context_window if self.geometry else None
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop admitting; let running requests finish until the deadline; cancel the rest.
+        """Stop admitting; let running requests finish until the deadline; fail the rest.
 
-        Waiting requests are cancelled at once. Returns when the engine thread has exited and
+        Waiting requests are answered at once. Returns when the engine thread has exited and
         released every block. Idempotent.
         """
-        with self._lock:
-            if not self._draining:
-                self._draining = True
-                self._drain_deadline = time.monotonic() + max(0.0, drain_timeout)
-            self._lock.notify_all()
+        ib = self._inbox
+        with ib.lock:
+            if not ib.draining:
+                ib.draining = True
+                ib.drain_deadline = time.monotonic() + max(0.0, drain_timeout)
+            ib.lock.notify_all()
         if self._thread.is_alive():
             self._thread.join(max(0.0, drain_timeout) + 30.0)
 
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:
+            if isinstance(exc, (ValueError, OSError)):  # what the operator must change
+                log.error("engine failed to load: %s", exc)
+            else:
+                log.exception("engine failed to load")
+            self._load_error = exc
+            self._inbox.alive = False
+            self._ready.set()
+            mx.clear_streams()
+            return
+        self._ready.set()
+        assert self._core is not None
+        try:
+            self._core.run()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self._core.fail_all(
+                f"the engine failed ({type(exc).__name__}); the server is restarting"
+            )
+        finally:
+            self._inbox.alive = False
+            self._core.release_everything()
+            # MLX needs its thread-local streams cleared before the thread ends, or the process
+            # aborts at exit ("terminate called without an active exception").
+            mx.clear_streams()
+
+    def _load(self) -> None:
+        rt = loader.build_runtime(self.config)
+        self._model, self.tokenizer, self.model_name = rt.model, rt.tokenizer, rt.name
+        self.geometry, self.pool, self._scheduler = rt.geometry, rt.pool, rt.scheduler
+        self.kv_bytes_per_block, self.blas, self.device = rt.kv_bytes_per_block, rt.blas, rt.device
+        self.vocab_size = rt.vocab_size
+        self.token_bytes = token_bytes_table(rt.tokenizer)
+        self.ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
+        parts = Parts(
+            runner=rt.runner,
+            scheduler=rt.scheduler,
+            new_detokenizer=detokenizer_factory(rt.tokenizer, self.token_bytes),
+            ll_tokenizer=self.ll_tokenizer,
+            vocab_size=rt.vocab_size,
+            eos=frozenset(rt.tokenizer.eos_token_ids),
+            kv_bytes_per_block=rt.kv_bytes_per_block,
+        )
+        self._core = EngineCore(self.config, self._inbox, parts, self._step_hook)
+
     # ------------------------------------------------------------------ callers' API
+
+    def _reject(self, error: type[Exception], *args: Any) -> Exception:
+        with self._inbox.lock:
+            self._inbox.counters.rejected[error.reason] += 1  # type: ignore[attr-defined]
+        return error(*args)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue ``request``; returns its handle at once (events arrive as it runs).
 
         Raises:
             EngineNotReadyError: Still loading, draining, or the engine thread is dead.
-            RequestTooLargeError: Over the context window, or more than the whole pool at its
-                maximum size could ever hold.
+            RequestTooLargeError: Over the context window, or a prompt the whole pool at its
+                maximum size could never hold.
+            CapacityReducedError: A prompt the pool holds as configured but not as shrunk.
             InvalidRequestError: A token id or ``top_k`` outside the model's vocabulary.
             QueueFullError: The waiting queue is at ``max_queue``.
         """
-        end = len(request.prompt_tokens) + request.max_tokens
-        if self.ready:
-            self._validate(request)
-        with self._lock:
-            if not self.ready or self._draining:
-                self._counters.rejected[EngineNotReadyError.reason] += 1
-                raise EngineNotReadyError(
-                    "the engine is draining" if self._draining else "the engine is not running"
+        n_prompt = len(request.prompt_tokens)
+        end = n_prompt + request.max_tokens
+        if not self.ready or self.draining:
+            raise self._reject(
+                EngineNotReadyError,
+                "the engine is draining" if self.draining else "the engine is not running",
+            )
+        self._validate(request)
+        scheduler = self._scheduler
+        assert scheduler is not None
+        window = self.context_window
+        if window is not None and end > window:
+            raise self._reject(  # OpenAI's wording: clients match it
+                RequestTooLargeError,
+                f"This model's maximum context length is {window} tokens. However, you "
+                f"requested {end} tokens ({n_prompt} in the prompt, {request.max_tokens} in the "
+                "completion). Please reduce the length of the prompt or messages, or max_tokens.",
+            )
+        if not scheduler.could_ever_fit(n_prompt + 1):
+            if scheduler.fits_configured(n_prompt + 1):
+                raise self._reject(
+                    CapacityReducedError,
+                    "the KV pool has been shrunk below what this prompt needs; try again later",
                 )
-            assert self._admission is not None
-            window = self.context_window
-            if window is not None and end > window:
-                self._counters.rejected[RequestTooLargeError.reason] += 1
-                raise RequestTooLargeError(  # OpenAI's wording: clients match it
-                    f"This model's maximum context length is {window} tokens. However, you "
-                    f"requested {end} tokens ({len(request.prompt_tokens)} in the prompt, "
-                    f"{request.max_tokens} in the completion). Please reduce the length of the "
-                    "prompt or messages, or max_tokens."
-                )
-            if not self._admission.could_ever_fit(end):
-                if self._admission.fits_configured(end):
-                    self._counters.rejected[CapacityReducedError.reason] += 1
-                    raise CapacityReducedError(
-                        "the KV pool has been shrunk below what this request needs; "
-                        "try again later or with a smaller max_tokens"
-                    )
-                self._counters.rejected[RequestTooLargeError.reason] += 1
-                raise RequestTooLargeError(
-                    f"prompt plus max_tokens ({end} tokens) needs more KV blocks than the "
-                    "whole pool holds"
-                )
-            if len(self._waiting) >= self.config.max_queue:
-                self._counters.rejected[QueueFullError.reason] += 1
-                raise QueueFullError(f"{len(self._waiting)} requests waiting; try again later")
+            raise self._reject(
+                RequestTooLargeError,
+                f"the prompt ({n_prompt} tokens) needs more KV blocks than the whole pool holds",
+            )
+        ib = self._inbox
+        with ib.lock:
+            if not self.ready or ib.draining:
+                ib.counters.rejected[EngineNotReadyError.reason] += 1
+                raise EngineNotReadyError("the engine is draining")
+            if ib.n_waiting + len(ib.adds) >= self.config.max_queue:
+                ib.counters.rejected[QueueFullError.reason] += 1
+                raise QueueFullError(f"{ib.n_waiting} requests waiting; try again later")
             self._next_request_id += 1
             handle = RequestHandle(self._next_request_id, request)
-            self._waiting.append(handle)
-            self._lock.notify_all()
+            ib.adds.append(handle)
+            ib.lock.notify_all()
         return handle
 
     def _validate(self, request: GenerationRequest) -> None:
@@ -189,20 +246,19 @@ class Engine(EngineLoop):
         elif any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
             problem = f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias"
         if problem is not None:
-            with self._lock:
-                self._counters.rejected[InvalidRequestError.reason] += 1
-            raise InvalidRequestError(*problem)
+            raise self._reject(InvalidRequestError, *problem)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a queued or running request; its blocks are freed within one step."""
-        with self._lock:
+        ib = self._inbox
+        with ib.lock:
             if not handle.done:
-                self._cancels.add(handle.request_id)
-                self._lock.notify_all()
+                ib.cancels.add(handle.request_id)
+                ib.lock.notify_all()
 
     def shrink(self, stream: str, target_free: int, timeout: float = 30.0) -> int:
-        """Retire free blocks down to ``target_free`` on the engine thread, never below what
-        running requests have been promised. ``stream`` "kv" on a separate pool means both.
+        """Retire free blocks down to ``target_free`` on the engine thread (never a block in
+        use). ``stream`` "kv" on a separate pool means both.
 
         Raises:
             ValueError: On a bad stream or target; EngineNotReadyError if the engine is down.
@@ -211,7 +267,7 @@ class Engine(EngineLoop):
             raise ValueError(f"stream must be 'k', 'v' or 'kv', got {stream!r}")
         if isinstance(target_free, bool) or not isinstance(target_free, int) or target_free < 0:
             raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
-        return int(self._call(lambda: self._shrink(stream, target_free), timeout))
+        return int(self._call(lambda: self._require_core().shrink(stream, target_free), timeout))
 
     def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
         """Prompt logprobs (``scoring.prompt_logprobs``), computed on the engine thread between
@@ -233,29 +289,39 @@ class Engine(EngineLoop):
         return list(self._call(lambda: prompt_logprobs(self._model, prompt, top), timeout))
 
     def stats(self) -> EngineStats:
-        """A frozen snapshot of the counters. Thread-safe."""
-        with self._lock:
-            c = self._counters
+        """A frozen snapshot of the counters and the last published step. Thread-safe."""
+        ib = self._inbox
+        with ib.lock:
+            c, snap = ib.counters, ib.snapshot
             return EngineStats(
                 alive=self.alive,
                 ready=self.ready,
-                draining=self._draining,
-                running=self._n_running,
-                waiting=len(self._waiting),
+                draining=ib.draining,
+                running=snap.running,
+                waiting=snap.waiting + len(ib.adds),
                 prompt_tokens_total=c.prompt_tokens,
                 generated_tokens_total=c.generated_tokens,
                 requests_finished_total=dict(c.finished),
                 rejections_total=dict(c.rejected),
                 failures_total=dict(c.failed),
-                blocks_promised=self._promised,
+                blocks_in_use=snap.blocks_in_use,
                 kv_bytes_per_block=self.kv_bytes_per_block,
+                preemptions_total=snap.preemptions,
+                kv_layout=snap.kv_layout,
+                kv_working_bytes=snap.kv_working_bytes,
             )
+
+    def _require_core(self) -> EngineCore:
+        if self._core is None:
+            raise EngineNotReadyError("the engine is not running")
+        return self._core
 
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
         future: Future[Any] = Future()
-        with self._lock:
+        ib = self._inbox
+        with ib.lock:
             if not self.alive:
                 raise EngineNotReadyError("the engine is not running")
-            self._commands.append((fn, future))
-            self._lock.notify_all()
+            ib.commands.append((fn, future))
+            ib.lock.notify_all()
         return future.result(timeout)

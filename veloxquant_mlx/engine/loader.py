@@ -9,11 +9,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.pool_backed import default_step
+from veloxquant_mlx.cache.paged import make_kv
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.default_model import ensure_default_model
-from veloxquant_mlx.engine.sizing import Admission, KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.engine.runner import Runner, check_supported
+from veloxquant_mlx.engine.scheduler import Scheduler
+from veloxquant_mlx.engine.sizing import KVGeometry, pool_config, probe_geometry
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -61,21 +63,28 @@ class Runtime:
     name: str
     geometry: KVGeometry
     pool: BlockPoolAllocator
-    admission: Admission
-    generator: Any
+    scheduler: Scheduler
+    runner: Runner
     kv_bytes_per_block: int
     blas: str
     device: str
     vocab_size: int
 
 
-def build_runtime(cfg: EngineConfig) -> Runtime:
-    """Load the model, size the pool from its KV geometry, make the BatchGenerator."""
-    from mlx_lm.generate import BatchGenerator
+def kv_layout(requested: str, geometry: KVGeometry) -> str:
+    """The batch KV layout: "auto" is the measured best for the device (BENCHMARKS.md,
+    "Paged KV"): the contiguous working set on a CPU, where MLX's gather is slow."""
+    if requested != "auto":
+        return requested
+    return "dense"
 
+
+def build_runtime(cfg: EngineConfig) -> Runtime:
+    """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
 
     model, tokenizer, name = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
+    check_supported(model)
     geometry = probe_geometry(model)
     pool = BlockPoolAllocator(
         pool_config(
@@ -89,32 +98,30 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
     )
     per_block = geometry.bytes_per_block(cfg.block_size)
-    generator = BatchGenerator(
-        model,
-        stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-        completion_batch_size=cfg.max_running,
-        prefill_batch_size=min(cfg.max_running, cfg.prefill_batch),
-        prefill_step_size=cfg.prefill_step,
-    )
     n_blocks = pool.stats.n_blocks
-    admission = Admission(pool, geometry.n_layers, default_step(pool))
-    if not admission.could_ever_fit(cfg.min_request_tokens):
-        per_request = admission.need([cfg.min_request_tokens]) * 2 * per_block
+    scheduler = Scheduler(pool, geometry.n_layers_total, cfg.max_running, cfg.max_queue)
+    if not scheduler.could_ever_fit(cfg.min_request_tokens):
+        per_request = 2 * scheduler.n_layers * scheduler.blocks_for(cfg.min_request_tokens)
         raise ValueError(
             f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
             f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "
-            f"and the default max_tokens), which needs {per_request / 2**20:.1f} MiB: raise "
-            "--kv-cache-mb or --n-blocks, or lower --default-max-tokens"
+            f"and the default max_tokens), which needs {per_request * per_block / 2**20:.1f} "
+            "MiB: raise --kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
+    layout = kv_layout(cfg.kv_layout, geometry)
+    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks)
+    runner = Runner(model, kv, cfg.prefill_step)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
-        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), BLAS %s",
+        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV layout %s, "
+        "BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
+        layout,
         blas,
     )
     device = str(mx.default_device())
@@ -125,8 +132,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         name,
         geometry,
         pool,
-        admission,
-        generator,
+        scheduler,
+        runner,
         per_block,
         blas,
         device,

@@ -189,5 +189,8 @@ class EngineStats:
     requests_finished_total: dict[str, int]
     rejections_total: dict[str, int]
     failures_total: dict[str, int]  # requests ended with an error, by FinishEvent.error_code
-    blocks_promised: int
+    blocks_in_use: int  # K + V blocks the running requests hold
     kv_bytes_per_block: int
+    preemptions_total: int = 0
+    kv_layout: str = ""  # "paged" or "dense" (cache.paged)
+    kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now

@@ -40,9 +40,9 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_running=settings.max_running,
         max_queue=settings.max_queue,
         prefill_step=settings.prefill_step,
-        prefill_batch=settings.prefill_batch,
+        kv_layout=settings.kv_layout,
         stream_interval=settings.stream_interval_ms / 1000,
-        min_request_tokens=1 + settings.default_max_tokens,
+        min_request_tokens=1 + (settings.default_max_tokens or 1),
     )
 
 

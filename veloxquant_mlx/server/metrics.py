@@ -95,9 +95,15 @@ class EngineCollector(Collector):
                 pstats.n_blocks * per_block,
             )
             yield _gauge(
-                "veloxquant_kv_blocks_promised",
-                "Blocks per stream running requests may still need.",
-                stats.blocks_promised,
+                "veloxquant_kv_working_set_bytes",
+                "Bytes of the batch's KV memory MLX holds (the paged store, or the dense "
+                "working set).",
+                stats.kv_working_bytes,
+            )
+            yield _counter(
+                "veloxquant_preemptions_total",
+                "Requests preempted (blocks freed, recomputed later) when the pool ran out.",
+                stats.preemptions_total,
             )
 
     def describe(self) -> Iterator[Metric]:

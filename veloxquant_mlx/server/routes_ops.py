@@ -60,7 +60,7 @@ def _pool_view(request: Request) -> dict[str, Any]:
         "block_size": pool.config.block_size,
         "separate_kv": pool.config.separate_kv,
         "kv_bytes_per_block": st.engine.kv_bytes_per_block,
-        "blocks_promised": st.engine.stats().blocks_promised,
+        "blocks_in_use_by_running": st.engine.stats().blocks_in_use,
         "stats": as_dict(pool.stats),
         "streams": {s: {"free": pool.n_free(s), "total": pool.n_total(s)} for s in pool.streams},
         "owners": {str(owner): n for owner, n in pool.owner_block_counts().items()},

@@ -29,6 +29,8 @@ from veloxquant_mlx.server.generation import (
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# max_tokens for a request that omits it, when the model states no context length.
+NO_WINDOW_MAX_TOKENS = 4096
 
 
 def model_card(st: AppState) -> dict[str, Any]:
@@ -113,10 +115,11 @@ def submit(
             400, f"token ids must be below {vocab}", code="invalid_value", param="prompt"
         )
     window = st.engine.context_window
-    if max_tokens is None:
-        max_tokens = st.settings.default_max_tokens
+    if max_tokens is None:  # to EOS or the context end, as OpenAI clients expect
+        max_tokens = st.settings.default_max_tokens or NO_WINDOW_MAX_TOKENS
         if window is not None:
-            max_tokens = min(max_tokens, window - len(prompt))
+            limit = window - len(prompt)
+            max_tokens = limit if st.settings.default_max_tokens is None else min(max_tokens, limit)
         if max_tokens < 1:
             raise APIError(
                 400,

@@ -1,0 +1,264 @@
+"""The engine's batch KV memory: where each running row's keys and values live between steps.
+
+Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.md, "Paged KV"):
+
+- ``PagedKV``: the pool's blocks are the memory. One MLX array of ``n_ids * block_size`` slots
+  (``[slots, kv_heads, head_dim]``) holds every block id's K or V; a row's block table maps its
+  positions to slots. A step writes each row's new token with one scatter per layer (in place:
+  the store is referenced once) and reads through the tables with one gather per layer.
+- ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
+  row ``i`` = batch row ``i``. A row joins by copying its prefill into its row, leaves by moving
+  the last row into its place: O(row), never a copy of every row. MLX's CPU gather is too slow
+  for per-step reads (5-7x SDPA), so this is the CPU layout.
+
+Either way rows are right-aligned at position 0, every row attends to its own length only
+(``make_mask``) and RoPE takes each row's own offset: nothing is padded to another row's length
+in the accounting, which is the pool's (``blocks held == blocks holding tokens``) in both.
+
+``StepCache`` is what an mlx_lm model sees for one layer during a decode step: the cache protocol
+(``offset``, ``update_and_fetch``, ``make_mask``) over the layout. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many
+SLOT_CHUNK = 256  # and its capacity in chunks of this many positions
+
+
+class StepBatch:
+    """One decode step's per-row facts, shared by every layer's ``StepCache``.
+
+    Args:
+        positions: Where each row's new token goes (= its tokens already in KV), [rows].
+        width: Positions every row's keys span after the write (max position + 1).
+    """
+
+    def __init__(self, positions: list[int]) -> None:
+        self.positions_list = positions
+        self.positions = mx.array(positions, dtype=mx.int32)
+        self.width = max(positions) + 1
+        self._masks: dict[int | None, mx.array] = {}
+
+    def mask(self, window: int | None) -> mx.array:
+        """[rows, 1, 1, width] bool: each row sees its own tokens (the last ``window``)."""
+        m = self._masks.get(window)
+        if m is None:
+            cols = mx.arange(self.width)[None, :]
+            pos = self.positions[:, None]
+            m = cols <= pos
+            if window is not None:
+                m = m & (cols > pos - window)
+            m = m[:, None, None, :]
+            self._masks[window] = m
+        return m
+
+
+class StepCache:
+    """The mlx_lm cache protocol for one layer in one decode step (one new token per row)."""
+
+    def __init__(self, kv: Any, layer: int, batch: StepBatch) -> None:
+        self.kv = kv
+        self.layer = layer
+        self.batch = batch
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.positions  # RoPE: each row at its own position
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] != 1:
+            raise ValueError("a decode step takes one token per row")
+        return self.kv.write_read(self.layer, keys, values, self.batch)
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        return self.batch.mask(window_size)
+
+
+class DenseKV:
+    """Contiguous per-layer working set; row ``i`` holds batch row ``i``'s tokens from 0."""
+
+    kind = "dense"
+
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.k: list[mx.array] = []
+        self.v: list[mx.array] = []
+        self.rows = 0  # allocated rows
+        self.capacity = 0  # allocated positions per row
+
+    def _grow(self, rows: int, positions: int, like: tuple[mx.array, mx.array]) -> None:
+        new_rows = max(self.rows, -(-rows // ROW_CHUNK) * ROW_CHUNK)
+        new_cap = max(self.capacity, -(-positions // SLOT_CHUNK) * SLOT_CHUNK)
+        if new_rows == self.rows and new_cap == self.capacity:
+            return
+        _, heads, _, k_dim = like[0].shape
+        v_dim = like[1].shape[3]
+        for name, dim, dtype in (("k", k_dim, like[0].dtype), ("v", v_dim, like[1].dtype)):
+            arrays = getattr(self, name)
+            grown = []
+            for layer in range(self.n_layers):
+                fresh = mx.zeros((new_rows, heads, new_cap, dim), dtype=dtype)
+                if arrays:
+                    fresh[: self.rows, :, : self.capacity] = arrays[layer]
+                grown.append(fresh)
+            setattr(self, name, grown)
+        self.rows, self.capacity = new_rows, new_cap
+
+    def put_row(self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any) -> None:
+        """Copy a prefilled row's KV (each layer's ``[1, H, T, D]`` K and V) into row ``row``."""
+        n = layers[0][0].shape[2]
+        self._grow(row + 1, n + 1, layers[0])
+        for layer, (k, v) in enumerate(layers):
+            self.k[layer][row : row + 1, :, :n] = k
+            self.v[layer][row : row + 1, :, :n] = v
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Row ``src`` (``length`` tokens) takes row ``dst``'s place (a leave fills its hole)."""
+        for arrays in (self.k, self.v):
+            for layer in range(self.n_layers):
+                a = arrays[layer]
+                a[dst : dst + 1, :, :length] = a[src : src + 1, :, :length]
+
+    def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
+        """Tables are the pool's accounting only here: the rows hold the KV."""
+
+    def begin_step(self, batch: StepBatch, max_id: int) -> None:
+        if self.k:
+            self._grow(len(batch.positions_list), batch.width + 1, (self.k[0], self.v[0]))
+
+    def write_read(
+        self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
+    ) -> tuple[mx.array, mx.array]:
+        rows = keys.shape[0]
+        r = mx.arange(rows)[:, None]
+        h = mx.arange(keys.shape[1])[None, :]
+        p = batch.positions[:, None]
+        k, v = self.k[layer], self.v[layer]
+        k[r, h, p] = keys[:, :, 0, :]
+        v[r, h, p] = values[:, :, 0, :]
+        self.k[layer], self.v[layer] = k, v
+        w = batch.width
+        return k[:rows, :, :w], v[:rows, :, :w]
+
+    def clear(self) -> None:
+        """Drop the working set (the batch is empty): its memory goes back to MLX."""
+        self.k, self.v = [], []
+        self.rows = self.capacity = 0
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+
+class PagedKV:
+    """The pool's blocks as the memory: ``[n_ids * block_size, H, D]``, read through tables.
+
+    A row's table is ``2 * n_layers`` lists of block ids in position order (K of layer ``l`` at
+    ``2l``, V at ``2l + 1``). K and V share one store (a block id is either), so the store is
+    exactly the pool. The tables of the batch's rows are mirrored in one numpy array, updated
+    when a row joins, moves or gets a block, so a step builds its indices without a Python loop.
+    """
+
+    kind = "paged"
+
+    def __init__(self, n_layers: int, block_size: int, n_ids: int) -> None:
+        self.n_layers = n_layers
+        self.block_size = block_size
+        self.n_ids = n_ids
+        self.store: mx.array | None = None
+        self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
+        self._gather: mx.array | None = None  # this step's read slots [rows, 2L, width]
+        self._write: mx.array | None = None  # and write slots [2L, rows]
+
+    def _ensure(self, max_id: int, like: mx.array | None = None) -> None:
+        """A store holding block ids up to ``max_id`` (made on the first row, shaped like its K)."""
+        if self.store is None:
+            assert like is not None
+            _, heads, _, dim = like.shape
+            self.n_ids = max(self.n_ids, max_id + 1)
+            self.store = mx.zeros((self.n_ids * self.block_size, heads, dim), dtype=like.dtype)
+        elif max_id >= self.n_ids:  # the pool grew (grow_on_exhaustion): rare, O(pool)
+            extra = (max_id + 1 - self.n_ids) * self.block_size
+            pad = mx.zeros((extra, *self.store.shape[1:]), dtype=self.store.dtype)
+            self.store = mx.concatenate([self.store, pad])
+            self.n_ids = max_id + 1
+
+    def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
+        """Mirror ``table``'s blocks from index ``start`` on for batch row ``row``."""
+        n = len(table[0])
+        rows, _, width = self._tables.shape
+        if row >= rows or n > width:
+            grown = np.zeros(
+                (
+                    max(rows, -(-(row + 1) // ROW_CHUNK) * ROW_CHUNK),
+                    2 * self.n_layers,
+                    max(width, n * 2),
+                ),
+                dtype=np.int32,
+            )
+            grown[:rows, :, :width] = self._tables
+            self._tables = grown
+        self._tables[row, :, start:n] = [ids[start:n] for ids in table]
+
+    def put_row(self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any) -> None:
+        """Write a prefilled row's KV into its blocks and mirror its table."""
+        self.set_table(row, table)
+        n = layers[0][0].shape[2]
+        self._ensure(int(self._tables[row, :, : len(table[0])].max()), layers[0][0])
+        bs = self.block_size
+        pos = np.arange(n)
+        slots = self._tables[row, :, pos // bs] * bs + (pos % bs)[:, None]  # [n, 2L]
+        vals = []
+        for k, v in layers:
+            vals += [k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)]
+        assert self.store is not None
+        self.store[mx.array(slots.T.reshape(-1))] = mx.concatenate(vals).astype(self.store.dtype)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Only the table row moves: the KV stays in its blocks."""
+        self._tables[dst] = self._tables[src]
+
+    def begin_step(self, batch: StepBatch, max_id: int) -> None:
+        """This step's index arrays: each row's write slot and read slots, by table."""
+        self._ensure(max_id)
+        bs = self.block_size
+        rows = len(batch.positions_list)
+        width = batch.width
+        pos = np.asarray(batch.positions_list)
+        tab = self._tables[:rows, :, : -(-width // bs)]
+        write = tab[np.arange(rows), :, pos // bs] * bs + (pos % bs)[:, None]  # [rows, 2L]
+        self._write = mx.array(np.ascontiguousarray(write.T))
+        offs = mx.arange(bs, dtype=mx.int32)
+        slots = mx.array(tab)[..., None] * bs + offs
+        self._gather = slots.reshape(rows, 2 * self.n_layers, -1)[..., :width]
+
+    def write_read(
+        self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
+    ) -> tuple[mx.array, mx.array]:
+        assert self.store is not None and self._write is not None and self._gather is not None
+        new = mx.concatenate([keys[:, :, 0, :], values[:, :, 0, :]])
+        idx = mx.concatenate([self._write[2 * layer], self._write[2 * layer + 1]])
+        self.store[idx] = new.astype(self.store.dtype)
+        k = self.store[self._gather[:, 2 * layer]].transpose(0, 2, 1, 3)  # [rows, H, width, D]
+        v = self.store[self._gather[:, 2 * layer + 1]].transpose(0, 2, 1, 3)
+        return k, v
+
+    def clear(self) -> None:
+        """Keep the store: it is the pool's memory, sized once."""
+
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes
+
+
+def make_kv(kind: str, n_layers: int, block_size: int, n_ids: int) -> DenseKV | PagedKV:
+    if kind == "dense":
+        return DenseKV(n_layers)
+    if kind == "paged":
+        return PagedKV(n_layers, block_size, n_ids)
+    raise ValueError(f"kv layout must be 'dense' or 'paged', got {kind!r}")

@@ -1,0 +1,437 @@
+"""The engine loop: take the inbox, schedule, run one step, publish a snapshot. Engine thread.
+
+Each turn: callers' commands run (shrink, scoring), cancels apply, new requests join the queue;
+the scheduler admits what the pool holds now; prefill chunks run under a token budget; every
+running row gets the block its next token needs (preempting the newest request when the pool is
+out); one decode step is launched; the previous step's tokens are read back, turned into text
+and delivered, and finished requests leave with their blocks freed in a ``finally``. Then one
+frozen ``Snapshot`` is published for ``/metrics`` and ``/admin``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.detokenize import Detokenizer
+from veloxquant_mlx.engine.faults import RequestFault
+from veloxquant_mlx.engine.grammar import GrammarProcessor
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.runner import RowState, Runner, Sampled
+from veloxquant_mlx.engine.running import Running
+from veloxquant_mlx.engine.sampling import make_processors, make_sampler
+from veloxquant_mlx.engine.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.types import (
+    CAPACITY_REDUCED,
+    DRAINING,
+    ENGINE_FAILED,
+    REQUEST_FAILED,
+    EngineNotReadyError,
+    FinishEvent,
+    TokenEvent,
+    Usage,
+)
+
+log = logging.getLogger("veloxquant.engine")
+
+
+@dataclass(slots=True)
+class Counters:
+    """Request and token counters; guarded by the inbox lock."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: collections.Counter[str] = field(default_factory=collections.Counter)
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the loop publishes after each turn that changed something."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_in_use: int = 0
+    preemptions: int = 0
+    kv_layout: str = ""
+    kv_working_bytes: int = 0
+
+
+class Inbox:
+    """The one channel from callers' threads to the engine thread, and back (the snapshot).
+
+    ``lock`` (a Condition) guards every field; it is never held across an MLX call.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.adds: collections.deque[RequestHandle] = collections.deque()
+        self.cancels: set[int] = set()
+        self.commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
+            collections.deque()
+        )
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.alive = False
+        self.counters = Counters()
+        self.snapshot = Snapshot()
+        self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
+
+
+@dataclass(slots=True)
+class Parts:
+    """What the engine thread loaded, handed to the core."""
+
+    runner: Runner
+    scheduler: Scheduler
+    new_detokenizer: Callable[[], Detokenizer]
+    ll_tokenizer: Any
+    vocab_size: int
+    eos: frozenset[int]
+    kv_bytes_per_block: int
+
+
+class EngineCore:
+    """The loop over one ``Scheduler`` and one ``Runner``. Engine thread only."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        inbox: Inbox,
+        parts: Parts,
+        step_hook: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.inbox = inbox
+        self.runner = parts.runner
+        self.scheduler = parts.scheduler
+        self.parts = parts
+        self._step_hook = step_hook
+        self._faulted: list[RequestFault] = []
+        self._live: dict[int, Seq] = {}  # request id -> every admitted or queued request
+        self._inflight: list[Sampled] = []  # launched, not read back
+        self._changed = True
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        while True:
+            ib = self.inbox
+            busy = self.scheduler.running or self.scheduler.waiting
+            if ib.adds or ib.cancels or ib.commands or ib.draining or not busy:
+                self._take_inbox()
+                if ib.draining and self._finish_draining():
+                    return
+            if self.scheduler.running or self.scheduler.waiting:
+                if self._step_hook is not None:
+                    self._step_hook()
+                self._turn()
+            if self._changed:
+                self._publish()
+
+    def _take_inbox(self) -> None:
+        ib = self.inbox
+        with ib.lock:
+            while not (
+                ib.adds
+                or ib.cancels
+                or ib.commands
+                or ib.draining
+                or self.scheduler.running
+                or self.scheduler.waiting
+            ):
+                ib.lock.wait()
+            adds = list(ib.adds)
+            ib.adds.clear()
+            cancels, ib.cancels = ib.cancels, set()
+            commands = list(ib.commands)
+            ib.commands.clear()
+        for fn, future in commands:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+        for handle in adds:
+            seq = Seq(handle, list(handle.request.prompt_tokens), len(handle.request.prompt_tokens))
+            self._live[handle.request_id] = seq
+            self.scheduler.waiting.append(seq)
+            self._changed = True
+        for request_id in cancels:
+            cancelled = self._live.get(request_id)
+            if cancelled is not None:
+                self._end(cancelled, "cancelled")
+
+    def _finish_draining(self) -> bool:
+        """While draining: fail the waiting at once, and past the deadline the running (both
+        DRAINING: the client should retry elsewhere). True: nothing is left."""
+        for seq in [s for s in self.scheduler.waiting if s.out is None]:
+            self._end(seq, "error", "the server is shutting down", DRAINING)
+        if not self.scheduler.running and not self.scheduler.waiting:
+            return True
+        deadline = self.inbox.drain_deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._end(
+                    seq, "error", "the server shut down before this request finished", DRAINING
+                )
+            return True
+        return False
+
+    def _turn(self) -> None:
+        sched, runner = self.scheduler, self.runner
+        admitted, unservable = sched.admit()
+        for seq in unservable:
+            self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
+        for seq in admitted:
+            self._changed = True
+            if seq.out is None:
+                self._start(seq)
+        results: list[Sampled] = []
+        budget = self.config.prefill_step
+        for seq in [s for s in sched.running if s.state is not None and not s.state.joined]:
+            if budget <= 0:
+                break
+            n, first = runner.prefill(seq, budget)
+            budget -= n
+            if first is not None:
+                results.append(first)
+        for seq in list(runner.rows):
+            if seq.state is not None and seq.state.joined:  # not preempted meanwhile
+                self._make_room(seq)
+        launched = runner.step(sched.max_block_id) if runner.rows else None
+        # Read back what was launched before this step (and prefills' first tokens).
+        for sampled in [*self._inflight, *results]:
+            self._absorb(sampled)
+        self._inflight = [launched] if launched is not None else []
+        if self._faulted:
+            self._faulted.clear()
+            for seq in [s for s in list(self._live.values()) if s.state is not None]:
+                if seq.state.fault.error is not None:
+                    self._end(seq, "error", seq.state.fault.error, REQUEST_FAILED)
+
+    def _make_room(self, seq: Seq) -> None:
+        """Give ``seq`` the block its next token needs, preempting newer requests if the pool is
+        out; a request that outgrows the whole pool alone ends with "length"."""
+        sched = self.scheduler
+        while True:
+            before = seq.n_blocks
+            if sched.grow(seq, seq.n_kv + 1):
+                if seq.n_blocks != before:
+                    self.runner.grew(seq, before)
+                return
+            victim = sched.victim()
+            if victim is seq and len(sched.running) == 1:
+                log.warning("request %d outgrew the whole KV pool; ending it", seq.request_id)
+                self._end(seq, "length")
+                return
+            self._preempt(victim)
+            if victim is seq:
+                return
+
+    def _preempt(self, seq: Seq) -> None:
+        log.info("preempting request %d (pool full); it will be recomputed", seq.request_id)
+        self.runner.remove(seq)
+        self.scheduler.preempt(seq)
+        self._changed = True
+
+    # ------------------------------------------------------------------ requests
+
+    def _start(self, seq: Seq) -> None:
+        """Make an admitted request's sampler, processors and detokenizer. A failure of its
+        own parts fails it alone."""
+        request = seq.handle.request
+        fault = RequestFault(seq.request_id, self._faulted)
+        try:
+            sampler = make_sampler(request.sampling)
+            processors = make_processors(request.sampling)
+            if request.grammar is not None:  # last: it sees the penalties' and biases' result
+                processors.append(
+                    GrammarProcessor(
+                        request.grammar, self.parts.ll_tokenizer, self.parts.vocab_size
+                    )
+                )
+            detokenizer = self.parts.new_detokenizer()
+        except Exception as exc:
+            fault.record("setup", exc)
+            self._faulted.remove(fault)
+            self._end(seq, "error", fault.error, REQUEST_FAILED)
+            return
+        seq.state = RowState(sampler, processors, fault)
+        seq.out = Running(seq.handle, detokenizer, 0, fault)
+        with self.inbox.lock:
+            self.inbox.counters.prompt_tokens += seq.n_prompt
+
+    def _absorb(self, sampled: Sampled) -> None:
+        """Read back one launch's tokens: text, stop strings, logprobs, finishes."""
+        tokens: list[int] = sampled.tokens.tolist()  # type: ignore[assignment]
+        now = time.monotonic()
+        eos = self.parts.eos
+        finished: list[tuple[Seq, str]] = []
+        stepped: list[Running] = []
+        for i, seq in enumerate(sampled.seqs):
+            run: Running | None = seq.out
+            if run is None or seq.handle.done or seq.request_id not in self._live:
+                continue
+            token = tokens[i]
+            seq.tokens.append(token)
+            stepped.append(run)
+            if run.fault.error is not None:
+                continue
+            if token in eos:
+                run.n_generated += 1
+                finished.append((seq, "stop"))
+                continue
+            try:  # this request's own text, stop strings and logprobs: its fault alone
+                text, stopped = run.add_token(token)
+                row = None if sampled.logprobs is None else sampled.logprobs[i]
+                logprob, top = run.logprobs(token, row)
+            except Exception as exc:
+                run.fault.record("detokenizer or logprobs", exc)
+                continue
+            run.pending.append(TokenEvent(token, text, now, logprob, top))
+            run.peak_blocks = max(run.peak_blocks, 2 * self.scheduler.n_layers * seq.n_blocks)
+            if stopped:
+                finished.append((seq, "stop"))
+            elif run.n_generated >= seq.handle.request.max_tokens:
+                finished.append((seq, "length"))
+        with self.inbox.lock:
+            self.inbox.counters.generated_tokens += len(stepped)
+        ending = {id(s) for s, _ in finished}
+        interval = self.config.stream_interval
+        # Tokens go out when some request is due (its first token, `interval` since its last
+        # delivery, its finish), and then everyone's pending tokens go along: each delivery
+        # wakes the consumer's thread, so one wake-up carries as much as it can.
+        if ending or any(r.is_due(now, interval) for r in stepped):
+            RequestHandle.push_tokens([(r.handle, r.take_all(now)) for r in stepped])
+        for seq, reason in finished:
+            self._end(seq, reason)
+
+    def _end(
+        self, seq: Seq, reason: str, error: str | None = None, code: str | None = None
+    ) -> None:
+        """End a request however it ends: out of the batch and the queue, blocks back, one
+        FinishEvent. Exactly once."""
+        if self._live.pop(seq.request_id, None) is None:
+            return
+        self._changed = True
+        run: Running | None = seq.out
+        try:
+            self.runner.remove(seq)
+        finally:
+            self.scheduler.finish(seq)
+            tail = ""
+            if run is not None:
+                RequestHandle.push_tokens([(run.handle, run.take_all(time.monotonic()))])
+                if reason in ("length", "stop"):
+                    try:
+                        tail = run.flush()
+                    except Exception as exc:  # its detokenizer's last words: its fault alone
+                        run.fault.record("detokenizer", exc)
+                        self._faulted.clear()
+                        reason, error, code = "error", run.fault.error, REQUEST_FAILED
+            self.push_finish(
+                seq.handle,
+                reason,
+                0 if run is None else run.n_generated,
+                0 if run is None else run.peak_blocks,
+                tail,
+                error,
+                code,
+            )
+
+    def push_finish(
+        self,
+        handle: RequestHandle,
+        reason: str,
+        n_generated: int,
+        peak_blocks: int,
+        tail: str = "",
+        error: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        usage = Usage(
+            prompt_tokens=len(handle.request.prompt_tokens),
+            completion_tokens=n_generated,
+            peak_kv_blocks=peak_blocks,
+            peak_kv_bytes=peak_blocks * self.parts.kv_bytes_per_block,
+        )
+        with self.inbox.lock:
+            self.inbox.counters.finished[reason] += 1
+            if code is not None:
+                self.inbox.counters.failed[code] += 1
+        handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error, code))
+
+    # ------------------------------------------------------------------ commands
+
+    def shrink(self, stream: str, target_free: int) -> int:
+        """Retire free blocks down to ``target_free`` (never a block in use); then answer every
+        waiting request that can no longer fit at all."""
+        pool = self.scheduler.pool
+        streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
+        retired = 0
+        for s in streams:
+            retired += pool.shrink(s if self.config.separate_kv else "kv", target_free)
+        if retired:
+            for seq in [s for s in self.scheduler.waiting]:
+                if not self.scheduler.could_ever_fit(len(seq.tokens) + 1):
+                    self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
+            self._changed = True
+        return retired
+
+    def _publish(self) -> None:
+        self._changed = False
+        sched = self.scheduler
+        snap = Snapshot(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            blocks_in_use=sched.blocks_in_use(),
+            preemptions=sched.preemptions,
+            kv_layout=self.runner.kv.kind,
+            kv_working_bytes=self.runner.kv.nbytes(),
+        )
+        with self.inbox.lock:
+            self.inbox.snapshot = snap
+            self.inbox.n_waiting = snap.waiting
+
+    # ------------------------------------------------------------------ failure
+
+    def fail_all(self, message: str) -> None:
+        """The engine itself failed: every request ends with ENGINE_FAILED."""
+        for seq in list(self._live.values()):
+            try:
+                self._end(seq, "error", message, ENGINE_FAILED)
+            except BaseException:  # the batch itself may be broken: still tell the caller
+                log.exception("while failing request %d", seq.request_id)
+        ib = self.inbox
+        with ib.lock:
+            ib.alive = False
+            adds = list(ib.adds)
+            ib.adds.clear()
+            commands = list(ib.commands)
+            ib.commands.clear()
+        for h in adds:
+            self.push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
+        for _, future in commands:
+            future.set_exception(EngineNotReadyError(message))
+
+    def release_everything(self) -> None:
+        pool = self.scheduler.pool
+        for owner in list(pool.owner_block_counts()):
+            pool.free_all(owner)  # type: ignore[arg-type]
+        mx.clear_cache()
+
+
+_SHRUNK = (
+    "the KV pool has been shrunk below what this request needs; try again later or with a "
+    "shorter prompt"
+)

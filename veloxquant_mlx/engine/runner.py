@@ -1,0 +1,203 @@
+"""The model side of the engine: prefill, the batched decode step, sampling. The one module that
+runs the model; engine thread only.
+
+A request is prefilled alone, in chunks, into stock mlx_lm caches; then its KV is copied into the
+batch's memory (``cache.paged``: its blocks, or its row of the working set) and it joins the next
+decode step. A step feeds every row its last sampled token at its own position, samples each row
+with its own sampler and processors, and is evaluated asynchronously: the engine reads step
+``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row leaves by
+dropping its table (paged) or by the last row taking its place (dense): nobody else's KV moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache, TokenBuffer, make_prompt_cache
+
+from veloxquant_mlx.cache.paged import DenseKV, PagedKV, StepBatch, StepCache
+from veloxquant_mlx.engine.faults import RequestFault
+from veloxquant_mlx.engine.scheduler import Seq
+
+Processor = Callable[[mx.array, mx.array], mx.array]
+Sampler = Callable[[mx.array], mx.array]
+
+
+def check_supported(model: Any) -> None:
+    """Raise ValueError for a model whose layers the batch cannot hold (SSM / hybrid state)."""
+    kinds = {type(c) for c in make_prompt_cache(model)}
+    other = kinds - {KVCache, RotatingKVCache}
+    if other:
+        names = ", ".join(sorted(k.__name__ for k in other))
+        raise ValueError(
+            f"this model's layers use {names}; the batched engine serves attention models "
+            "(full or sliding-window KV caches) only"
+        )
+
+
+class RowState:
+    """The MLX side of one request: sampler, processors, token context, prefill progress."""
+
+    __slots__ = ("caches", "context", "fault", "joined", "next_input", "processors", "sampler")
+
+    def __init__(
+        self, sampler: Sampler | None, processors: list[Processor], fault: RequestFault
+    ) -> None:
+        self.sampler = None if sampler is None else fault.sampler(sampler)
+        self.processors = [fault.processor(p) for p in processors]
+        self.fault = fault
+        self.context: TokenBuffer | None = None
+        self.caches: list[KVCache] | None = None  # during prefill
+        self.next_input: mx.array | None = None  # [1]: the token the next step feeds
+        self.joined = False  # in the batch (prefill done)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """Tokens sampled for some rows, not yet read back (one step, or one prefill)."""
+
+    seqs: list[Seq]
+    tokens: mx.array  # [rows]
+    logprobs: mx.array | None  # [rows, vocab], when a row asked for logprobs
+
+
+class Runner:
+    """Runs the model over the batch. Owns the batch's rows (in row order) and the KV memory.
+
+    Args:
+        model: The mlx_lm model.
+        kv: The layout the rows' KV lives in.
+        prefill_step: Tokens per prefill chunk.
+    """
+
+    def __init__(self, model: Any, kv: DenseKV | PagedKV, prefill_step: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.prefill_step = prefill_step
+        self.rows: list[Seq] = []
+        self._n_layers = len(make_prompt_cache(model))
+        self._last: Sampled | None = None  # the latest step, whose tokens feed the next
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, seq: Seq, budget: int) -> tuple[int, Sampled | None]:
+        """Run up to ``budget`` prompt tokens of ``seq`` (at least one chunk's worth of work).
+
+        Returns:
+            (tokens processed, the first sampled token once the whole prompt is in, else None).
+            When done, the row has joined the batch.
+        """
+        state: RowState = seq.state
+        if state.caches is None:
+            state.caches = [KVCache() for _ in range(self._n_layers)]
+            seq.n_kv = 0
+        tokens = seq.tokens
+        n = min(len(tokens) - seq.n_kv, max(1, min(budget, self.prefill_step)))
+        chunk = mx.array([tokens[seq.n_kv : seq.n_kv + n]])
+        logits = self.model(chunk, cache=state.caches)
+        seq.n_kv += n
+        if seq.n_kv < len(tokens):
+            mx.eval([(c.keys, c.values) for c in state.caches])
+            return n, None
+        state.context = TokenBuffer(tokens) if state.processors else None
+        context = mx.array(tokens, dtype=mx.int32) if state.processors else None
+        sampled = self._sample([seq], logits[:, -1, :], [context])
+        self._join(seq)
+        state.next_input = sampled.tokens
+        mx.async_eval(sampled.tokens)
+        return n, sampled
+
+    def _join(self, seq: Seq) -> None:
+        state: RowState = seq.state
+        assert state.caches is not None
+        layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in state.caches]
+        self.kv.put_row(len(self.rows), layers, seq.table)
+        state.caches = None
+        state.joined = True
+        self.rows.append(seq)
+
+    # ------------------------------------------------------------------ decode
+
+    def grew(self, seq: Seq, old_blocks: int) -> None:
+        """``seq``'s table gained blocks (from index ``old_blocks``): mirror them."""
+        if seq in self.rows:
+            self.kv.set_table(self.rows.index(seq), seq.table, old_blocks)
+
+    def step(self, max_block_id: int) -> Sampled | None:
+        """Launch one decode step over every row; the tokens are read later (``Sampled``)."""
+        rows = list(self.rows)
+        if not rows:
+            return None
+        last = self._last
+        if last is not None and last.seqs == rows:
+            inputs = last.tokens
+        else:
+            inputs = mx.concatenate([s.state.next_input for s in rows])
+        batch = StepBatch([s.n_kv for s in rows])
+        self.kv.begin_step(batch, max_block_id)
+        caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
+        logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        contexts: list[mx.array | None] = []
+        for i, seq in enumerate(rows):
+            seq.n_kv += 1
+            state: RowState = seq.state
+            if state.processors:
+                assert state.context is not None
+                contexts.append(state.context.update_and_fetch(inputs[i : i + 1]))
+            else:
+                contexts.append(None)
+        sampled = self._sample(rows, logits, contexts)
+        for i, seq in enumerate(rows):
+            seq.state.next_input = sampled.tokens[i : i + 1]
+        self._last = sampled
+        mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
+        return sampled
+
+    def _sample(
+        self, seqs: list[Seq], logits: mx.array, contexts: list[mx.array | None]
+    ) -> Sampled:
+        if any(s.state.processors for s in seqs):
+            parts = []
+            for i, seq in enumerate(seqs):
+                row = logits[i : i + 1]
+                context = contexts[i]
+                for processor in seq.state.processors:
+                    row = processor(context, row)
+                parts.append(row)
+            logits = mx.concatenate(parts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1)
+        if any(s.state.sampler is not None for s in seqs):
+            tokens = mx.concatenate(
+                [
+                    tokens[i : i + 1]
+                    if s.state.sampler is None
+                    else s.state.sampler(logprobs[i : i + 1])
+                    for i, s in enumerate(seqs)
+                ]
+            )
+        wants = any(s.handle.request.logprobs for s in seqs)
+        return Sampled(seqs, tokens, logprobs if wants else None)
+
+    def remove(self, seq: Seq) -> None:
+        """Take ``seq``'s row out of the batch (finish, cancel, preemption); O(row)."""
+        state: RowState | None = seq.state
+        if state is None:
+            return
+        state.caches = None
+        if not state.joined:
+            return
+        state.joined = False
+        i = self.rows.index(seq)
+        last = len(self.rows) - 1
+        if i != last:
+            moved = self.rows[last]
+            self.kv.move_row(last, i, moved.n_kv)
+            self.rows[i] = moved
+        self.rows.pop()
+        if not self.rows:
+            self.kv.clear()
+            self._last = None

@@ -1,0 +1,199 @@
+"""Who runs and who waits: admission against the pool, block tables, preemption. No MLX.
+
+A request holds, per layer and stream, the blocks its tokens fill and no more: ``2 * n_layers *
+ceil(tokens / block_size)`` blocks, whatever it is batched with. It is admitted when the pool can
+hold its prompt now (``max_tokens`` is not reserved); it gets one more block per layer and
+stream when its tokens fill the last one. When the pool runs out mid-decode, the newest running
+request is preempted: its blocks go back, it returns to the head of the queue, and later its
+prompt and the tokens it has generated are prefilled again (vLLM's recompute policy), so no
+running request ever fails for lack of memory and nobody's budget is held hostage by a
+``max_tokens`` that is rarely used.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
+
+STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """One request's tokens and block table. Owned by the scheduler; the runner reads it.
+
+    ``table[2 * layer]`` lists the K block ids of ``layer`` in position order, ``[2 * layer +
+    1]`` its V blocks. ``tokens`` is the prompt then every generated token; ``n_kv`` how many of
+    them have KV written (or in flight).
+    """
+
+    handle: RequestHandle
+    tokens: list[int]
+    n_prompt: int
+    table: list[list[int]] = field(default_factory=list)
+    n_kv: int = 0
+    preemptions: int = 0
+    state: Any = None  # the runner's per-request MLX state (sampler, processors, prefill)
+    out: Any = None  # the core's per-request output state (detokenizer, stops, counts)
+
+    @property
+    def request_id(self) -> int:
+        return self.handle.request_id
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks per layer and stream."""
+        return len(self.table[0]) if self.table else 0
+
+
+class Scheduler:
+    """The waiting FIFO, the running list (admission order) and every request's blocks.
+
+    Engine thread only, except ``n_waiting`` (a length read). The pool is the shared,
+    thread-safe allocator; this is the only writer of the blocks it hands to requests.
+    """
+
+    def __init__(
+        self, pool: BlockPoolAllocator, n_layers: int, max_running: int, max_queue: int
+    ) -> None:
+        self.pool = pool
+        self.n_layers = n_layers
+        self.block_size = pool.config.block_size
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: list[Seq] = []
+        self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ sizes
+
+    def blocks_for(self, n_tokens: int) -> int:
+        """Blocks per layer and stream for ``n_tokens`` tokens."""
+        return -(-n_tokens // self.block_size)
+
+    def _streams(self) -> tuple[str, ...]:
+        return ("k", "v") if self.pool.config.separate_kv else ("kv",)
+
+    def could_ever_fit(self, n_tokens: int) -> bool:
+        """Whether one request of ``n_tokens`` tokens fits the pool alone, as it is now."""
+        return self._fits_totals(n_tokens, {s: self._max_total(s) for s in self._streams()})
+
+    def fits_configured(self, n_tokens: int) -> bool:
+        """Whether it fits the pool as configured (before any shrink)."""
+        cfg = self.pool.config
+        if cfg.separate_kv:
+            totals = {"k": cfg.n_blocks - cfg.n_blocks // 2, "v": cfg.n_blocks // 2}
+        else:
+            totals = {"kv": cfg.n_blocks}
+        return self._fits_totals(n_tokens, totals)
+
+    def _max_total(self, stream: str) -> int:
+        cfg = self.pool.config
+        total = self.pool.n_total(stream)
+        if cfg.grow_on_exhaustion:
+            if cfg.max_blocks is None:
+                return 1 << 62
+            return total + max(0, cfg.max_blocks - self.pool.stats.n_blocks)
+        return total
+
+    def _fits_totals(self, n_tokens: int, totals: dict[str, int]) -> bool:
+        per_stream = self.n_layers * self.blocks_for(n_tokens)
+        if not self.pool.config.separate_kv:
+            per_stream *= 2
+        return all(per_stream <= t for t in totals.values())
+
+    # ------------------------------------------------------------------ blocks
+
+    def grow(self, seq: Seq, n_tokens: int) -> bool:
+        """Make ``seq``'s table hold ``n_tokens`` tokens in every layer; False (and nothing
+        taken) if the pool cannot."""
+        need = self.blocks_for(n_tokens) - seq.n_blocks
+        if need <= 0:
+            return True
+        per_call = need * self.n_layers
+        taken: list[list[Any]] = []
+        try:
+            for stream in STREAMS:
+                taken.append(self.pool.allocate(stream, per_call * self.block_size, seq.request_id))
+        except BlockPoolExhaustedError:
+            for blocks in taken:
+                self.pool.free(blocks, owner=seq.request_id)
+            return False
+        if not seq.table:
+            seq.table = [[] for _ in range(2 * self.n_layers)]
+        for s, blocks in enumerate(taken):
+            ids = [b.block_id for b in blocks]
+            for layer in range(self.n_layers):
+                seq.table[2 * layer + s].extend(ids[layer * need : (layer + 1) * need])
+            self.max_block_id = max(self.max_block_id, max(ids))
+        return True
+
+    def release(self, seq: Seq) -> None:
+        """Give back every block of ``seq`` (finish, cancel, failure or preemption)."""
+        self.pool.free_all(seq.request_id)
+        seq.table = []
+        seq.n_kv = 0
+
+    def blocks_in_use(self) -> int:
+        return sum(2 * self.n_layers * s.n_blocks for s in self.running)
+
+    # ------------------------------------------------------------------ queue
+
+    def admit(self) -> tuple[list[Seq], list[Seq]]:
+        """Admit waiting requests in FIFO order while the pool holds their prompts now (plus
+        the first generated token), keeping one block per running row in reserve.
+
+        Returns:
+            (admitted, unservable): the admitted in order, with their blocks; the ones a
+            shrink made too large for the pool, taken out of the queue for the caller to answer.
+        """
+        admitted: list[Seq] = []
+        unservable: list[Seq] = []
+        while self.waiting and len(self.running) < self.max_running:
+            head = self.waiting[0]
+            n = len(head.tokens) + 1
+            if not self.could_ever_fit(n):
+                unservable.append(self.waiting.popleft())
+                continue
+            reserve = self.n_layers * len(self.running) * (1 if self.pool.config.separate_kv else 2)
+            free = min(self.pool.n_free(s) for s in self._streams())
+            need = self.n_layers * self.blocks_for(n) * (1 if self.pool.config.separate_kv else 2)
+            if self.running and free - need < reserve:
+                break  # FIFO: nobody overtakes the head
+            if not self.grow(head, n):
+                break
+            self.waiting.popleft()
+            self.running.append(head)
+            admitted.append(head)
+        return admitted, unservable
+
+    def victim(self) -> Seq:
+        """The request to preempt when the pool runs out: the newest running one."""
+        return self.running[-1]
+
+    def preempt(self, seq: Seq) -> None:
+        """Free ``seq``'s blocks and put it back at the head of the queue."""
+        self.running.remove(seq)
+        self.release(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Seq) -> None:
+        """Take ``seq`` out (running or waiting) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+        self.release(seq)
