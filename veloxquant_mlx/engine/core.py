@@ -231,8 +231,13 @@ class EngineCore:
                 return
             victim = sched.victim()
             if victim is seq and len(sched.running) == 1:
-                log.warning("request %d outgrew the whole KV pool; ending it", seq.request_id)
-                self._end(seq, "length")
+                # Alone and out of blocks: it outgrew the whole pool. As configured, that is
+                # where its completion ends (like the context end); after a shrink, the
+                # operator took the memory (capacity_reduced).
+                if sched.fits_configured(seq.n_kv + 1):
+                    self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
+                else:
+                    self._end(seq, "length")
                 return
             self._preempt(victim)
             if victim is seq:
