@@ -523,4 +523,3 @@ def test_shrink_answers_queued_requests_that_no_longer_fit_and_the_queue_moves_o
     # `running` outgrows the shrunk pool (capacity_reduced); `small` then fits what it freed.
     assert running.collect(30)[1].error_code == CAPACITY_REDUCED
     assert small.collect(30)[1].finish_reason == "length"  # not stuck behind anyone
-

@@ -1,0 +1,222 @@
+"""Serving throughput where MLX runs (an H200 on CUDA, a Mac, this CPU): the library, us, the peer.
+
+    python -m benchmarks.serving --shape 1b --concurrency 1,8,32,128 --out DIR
+
+For one random-weight model of a real shape (written once, bf16 on a GPU) it measures, side by
+side in one run:
+
+- ``library``: mlx_lm's ``BatchGenerator`` alone, in process, every request inserted up front
+  (the ceiling a server can approach; no HTTP, no arrivals);
+- ``ours`` for each ``--layouts`` (our server, streaming completions over loopback HTTP, closed
+  loop at each concurrency);
+- ``mlx_lm.server`` on the same model and load.
+
+Prompts are ``--prompt-tokens`` long (random words sized by the tokenizer), outputs
+``--max-tokens`` (a range gives varied lengths). Writes ``serving.json`` and ``serving.md`` in
+``--out``. Every server it starts is stopped by pid before it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.__main__ import level, parse
+from loadtest.compare import free_port, server
+from loadtest.runner import WORDS
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {  # Llama-3.2-1B
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "intermediate_size": 8192,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+    "8b": {  # Llama-3.1-8B
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {},  # the embedded default model's shape
+}
+
+
+def write_model(target: Path, shape: str, dtype: str) -> Path:
+    """A random-weight Llama of ``shape`` with the shipped tokenizer (reused if present)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from veloxquant_mlx.engine.default_model import ASSETS, CONFIG, TOKENIZER_FILES
+
+    if (target / "config.json").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    config = {**CONFIG, **SHAPES[shape], "torch_dtype": dtype}
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, dtype))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights, {"format": "mlx"})
+    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(ASSETS / name, target / name)
+    return target
+
+
+def words_for(path: Path, tokens: int) -> int:
+    """How many loadtest words make about ``tokens`` prompt tokens with this tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    rng = random.Random(0)
+    sample = " ".join(rng.choice(WORDS) for _ in range(400))
+    per_word = len(tok.encode(sample)) / 400
+    return max(1, round(tokens / per_word))
+
+
+def library(path: Path, c: int, n: int, prompt_tokens: int, max_tokens: tuple[int, int]) -> float:
+    """BatchGenerator alone, ``n`` requests inserted up front, batch ``c``: output tok/s."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = mlx_lm.load(str(path))[:2]
+    rng = random.Random(c)
+    prompts = [[rng.randrange(3, 2000) for _ in range(prompt_tokens)] for _ in range(n)]
+    lengths = [rng.randint(*max_tokens) for _ in range(n)]
+    gen = BatchGenerator(
+        model, stop_tokens=[], completion_batch_size=c, prefill_batch_size=min(c, 8)
+    )
+    t0 = time.perf_counter()
+    gen.insert(prompts, lengths)
+    produced, total = 0, sum(lengths)
+    while produced < total:
+        _, responses = gen.next()
+        produced += len(responses)
+    mx.synchronize()
+    rate = produced / (time.perf_counter() - t0)
+    gen.close()
+    return rate
+
+
+def serve_and_load(
+    cmd: list[str], port: int, model: str | None, levels: list[int], lt: argparse.Namespace,
+    per_level: int, log: Path,
+) -> dict[int, dict[str, float]]:  # fmt: skip
+    out: dict[int, dict[str, float]] = {}
+    env = dict(os.environ)
+    with server(cmd, port, env, log):
+        url = f"http://127.0.0.1:{port}"
+        # warm-up: compile kernels for the shapes the levels use
+        asyncio.run(level(lt, url, model, 4, "warm-up", n_requests=8))
+        for c in levels:
+            s = asyncio.run(level(lt, url, model, c, f"c={c}", n_requests=max(per_level, 2 * c)))
+            out[c] = {
+                "tok_s": s.output_tokens_per_s,
+                "ttft_p50_ms": s.ttft_s["p50"] * 1e3,
+                "ttft_p99_ms": s.ttft_s["p99"] * 1e3,
+                "errors": float(sum(s.errors_by_status.values())),
+                "requests": float(s.requests),
+            }
+            print(f"  c={c}: {out[c]}", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--concurrency", default="1,8,32,128")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", default="128", help="N or LO-HI (varied lengths)")
+    p.add_argument("--per-level", type=int, default=32, help="requests per level, at least 2c")
+    p.add_argument("--layouts", default="dense,paged")
+    p.add_argument("--peers", default="library,mlx_lm")
+    p.add_argument("--blas", default="off")
+    p.add_argument("--kv-cache-mb", default="16384", help="our pool (the GPU has room)")
+    p.add_argument("--work", default="bench-work")
+    p.add_argument("--out", default="bench-out")
+    a = p.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    lo, _, hi = a.max_tokens.partition("-")
+    max_tokens = (int(lo), int(hi or lo))
+    work, out = Path(a.work), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_model(work / f"model-{a.shape}", a.shape, a.dtype)
+    words = words_for(path, a.prompt_tokens)
+    lt = parse(["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,
+                "--no-leak-check", "--scrape-interval", "1.0"])  # fmt: skip
+    results: dict[str, Any] = {"shape": a.shape, "prompt_tokens": a.prompt_tokens,
+                               "max_tokens": a.max_tokens, "words": words}  # fmt: skip
+    peers = a.peers.split(",") if a.peers else []
+    if "library" in peers:
+        results["library"] = {}
+        for c in levels:
+            results["library"][c] = library(path, c, max(a.per_level, 2 * c), a.prompt_tokens,
+                                            max_tokens)  # fmt: skip
+            print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
+    for layout in a.layouts.split(",") if a.layouts else []:
+        port = free_port()
+        cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port",
+               str(port), "--kv-layout", layout, "--blas", a.blas, "--max-running", "256",
+               "--max-queue", "1024", "--kv-cache-mb", a.kv_cache_mb,
+               "--log-level", "warning"]  # fmt: skip
+        print(f"ours ({layout})", flush=True)
+        results[f"ours-{layout}"] = serve_and_load(
+            cmd, port, None, levels, lt, a.per_level, out / f"ours-{layout}.log"
+        )
+    if "mlx_lm" in peers:
+        port = free_port()
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port",
+               str(port)]  # fmt: skip
+        print("mlx_lm.server", flush=True)
+        results["mlx_lm"] = serve_and_load(
+            cmd, port, str(path), levels, lt, a.per_level, out / "mlx_lm.log"
+        )
+    (out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "serving.md").write_text("\n".join(report(results, levels)) + "\n")
+    print("\n".join(report(results, levels)))
+
+
+def report(results: dict[str, Any], levels: list[int]) -> list[str]:
+    servers = [k for k in results if k.startswith("ours-") or k == "mlx_lm"]
+    head = "| clients | library tok/s | " + " | ".join(f"{s} tok/s (TTFT p99 ms)" for s in servers)
+    lines = [head + " |", "|---:|---:|" + "---:|" * len(servers)]
+    for c in levels:
+        lib = results.get("library", {}).get(c)
+        cells = [f"{lib:.0f}" if lib else "-"]
+        for s in servers:
+            r = results[s].get(c)
+            if r is None:
+                cells.append("-")
+                continue
+            frac = f", {r['tok_s'] / lib:.0%} of library" if lib else ""
+            cells.append(f"{r['tok_s']:.0f} ({r['ttft_p99_ms']:.0f}{frac}, {r['errors']:.0f} err)")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
