@@ -31,9 +31,9 @@ pytestmark = pytest.mark.anyio
 def _explode_at_third_token(monkeypatch) -> None:
     """Fault injection into the real step: requests with presence_penalty 1.5 get a logits
     processor that raises at their third token."""
-    from veloxquant_mlx.engine import loop
+    from veloxquant_mlx.engine import core
 
-    real = loop.make_processors
+    real = core.make_processors
 
     def processors(params):
         if params.presence_penalty != 1.5:
@@ -48,7 +48,7 @@ def _explode_at_third_token(monkeypatch) -> None:
 
         return [explode]
 
-    monkeypatch.setattr(loop, "make_processors", processors)
+    monkeypatch.setattr(core, "make_processors", processors)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -86,12 +86,12 @@ async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
 
 
 async def test_a_fault_before_the_first_token_is_a_500_even_when_streaming(client_for, monkeypatch):
-    from veloxquant_mlx.engine import loop
+    from veloxquant_mlx.engine import core
 
     def broken_sampler(params):
         raise OverflowError("injected setup fault")
 
-    monkeypatch.setattr(loop, "make_sampler", broken_sampler)
+    monkeypatch.setattr(core, "make_sampler", broken_sampler)
     client = await client_for()
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "temperature": 1}
     r = await client.post("/v1/completions", json=body)
@@ -137,20 +137,20 @@ async def test_engine_failure_fails_in_flight_sets_health_503_and_calls_the_exit
 
 LAUNCHER = """
 import sys
-from veloxquant_mlx.engine import loop
+from veloxquant_mlx.engine import core
 
-real, steps = loop.EngineLoop._step, {"n": 0}
+real, steps = core.EngineCore._turn, {"n": 0}
 
 
 def step(self):
-    if len(self._running) >= 2:  # both requests in: neither is refused at submit instead
+    if len(self.scheduler.running) >= 2:  # both requests in: neither is refused at submit
         steps["n"] += 1
         if steps["n"] == 10:
             raise RuntimeError("injected engine fault")
     return real(self)
 
 
-loop.EngineLoop._step = step
+core.EngineCore._turn = step
 from veloxquant_mlx.server.cli import main
 
 sys.exit(main(sys.argv[1:]))

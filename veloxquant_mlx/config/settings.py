@@ -61,6 +61,9 @@ class Settings(BaseSettings):
         8, ge=1, le=128, description="Choices per request at most (n), and prompts per request."
     )
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
+    prefill_budget: int = Field(
+        2048, ge=16, description="Prompt tokens prefilled between two decode steps at most."
+    )
     kv_layout: Literal["auto", "paged", "dense"] = Field(
         "auto",
         description="Where running requests' KV lives: paged (the pool's blocks, read through "

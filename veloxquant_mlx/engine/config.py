@@ -21,6 +21,9 @@ class EngineConfig:
     max_running: int = 32
     max_queue: int = 256
     prefill_step: int = 512
+    # Prompt tokens prefilled per engine turn at most (padding included), between decode
+    # steps: more starts a burst sooner, less keeps running streams smoother.
+    prefill_budget: int = 2048
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
     stream_interval: float = 0.025

@@ -197,8 +197,23 @@ class EngineCore:
             if seq.out is None:
                 self._start(seq)
         results: list[Sampled] = []
-        budget = self.config.prefill_step
-        for seq in [s for s in sched.running if s.state is not None and not s.state.joined]:
+        budget = self.config.prefill_budget
+        pending = [s for s in sched.running if s.state is not None and not s.state.joined]
+        # Whole short prompts that arrived together: one padded forward for all of them.
+        fresh: list[Seq] = []
+        width = 0
+        for s in pending:
+            n = len(s.tokens)
+            if s.state.caches is None and n <= self.config.prefill_step:
+                if max(width, n) * (len(fresh) + 1) > budget:
+                    break
+                fresh.append(s)
+                width = max(width, n)
+        if len(fresh) > 1:
+            results.append(runner.prefill_together(fresh))
+            budget -= width * len(fresh)
+            pending = [s for s in pending if s not in fresh]
+        for seq in pending:  # the rest, a chunk at a time
             if budget <= 0:
                 break
             n, first = runner.prefill(seq, budget)

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    TokenBuffer,
+    make_prompt_cache,
+)
 
 from veloxquant_mlx.cache.paged import DenseKV, PagedKV, StepBatch, StepCache
 from veloxquant_mlx.engine.faults import RequestFault
@@ -110,10 +116,36 @@ class Runner:
         mx.async_eval(sampled.tokens)
         return n, sampled
 
-    def _join(self, seq: Seq) -> None:
+    def prefill_together(self, seqs: list[Seq]) -> Sampled:
+        """Prefill several whole prompts (each at most one chunk) in one left-padded forward,
+        sample their first tokens, and join them to the batch: a burst of arrivals costs one
+        forward instead of one each."""
+        lengths = [len(s.tokens) for s in seqs]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
+        caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
+        logits = self.model(tokens, cache=caches)[:, -1, :]
+        contexts = [mx.array(s.tokens) if s.state.processors else None for s in seqs]
+        sampled = self._sample(seqs, logits, contexts)
+        for i, seq in enumerate(seqs):
+            state: RowState = seq.state
+            seq.n_kv = lengths[i]
+            state.context = TokenBuffer(seq.tokens) if state.processors else None
+            p = padding[i]
+            rows = [
+                (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
+            ]
+            self._join(seq, rows)
+            state.next_input = sampled.tokens[i : i + 1]
+        mx.async_eval(sampled.tokens)
+        return sampled
+
+    def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
         state: RowState = seq.state
-        assert state.caches is not None
-        layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in state.caches]
+        if layers is None:
+            caches: list[Any] = state.caches or []
+            layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
         self.kv.put_row(len(self.rows), layers, seq.table)
         state.caches = None
         state.joined = True

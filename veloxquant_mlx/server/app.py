@@ -40,9 +40,11 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_running=settings.max_running,
         max_queue=settings.max_queue,
         prefill_step=settings.prefill_step,
+        prefill_budget=max(settings.prefill_budget, settings.prefill_step),
         kv_layout=settings.kv_layout,
         stream_interval=settings.stream_interval_ms / 1000,
-        min_request_tokens=1 + (settings.default_max_tokens or 1),
+        # at least a one-token prompt and one block of completion (or the default max_tokens)
+        min_request_tokens=1 + (settings.default_max_tokens or settings.block_size),
     )
 
 
