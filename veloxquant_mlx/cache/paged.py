@@ -119,12 +119,8 @@ class DenseKV:
             self.k[layer][row : row + 1, :, :n] = k
             self.v[layer][row : row + 1, :, :n] = v
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Row ``src`` (``length`` tokens) takes row ``dst``'s place (a leave fills its hole)."""
-        for arrays in (self.k, self.v):
-            for layer in range(self.n_layers):
-                a = arrays[layer]
-                a[dst : dst + 1, :, :length] = a[src : src + 1, :, :length]
+    def set_hole(self, row: int) -> None:
+        """Row ``row`` left: its slot is written at position 0 and never read until reused."""
 
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
         """Tables are the pool's accounting only here: the rows hold the KV."""
@@ -182,11 +178,13 @@ class PagedKV:
             assert like is not None
             _, heads, _, dim = like.shape
             self.n_ids = max(self.n_ids, max_id + 1)
-            self.store = mx.zeros((self.n_ids * self.block_size, heads, dim), dtype=like.dtype)
+            slots = (self.n_ids + 1) * self.block_size  # + the scratch block holes write to
+            self.store = mx.zeros((slots, heads, dim), dtype=like.dtype)
         elif max_id >= self.n_ids:  # the pool grew (grow_on_exhaustion): rare, O(pool)
             extra = (max_id + 1 - self.n_ids) * self.block_size
             pad = mx.zeros((extra, *self.store.shape[1:]), dtype=self.store.dtype)
             self.store = mx.concatenate([self.store, pad])
+            self._tables[self._tables == self.n_ids] = max_id + 1  # the scratch block moved
             self.n_ids = max_id + 1
 
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
@@ -220,9 +218,10 @@ class PagedKV:
         assert self.store is not None
         self.store[mx.array(slots.T.reshape(-1))] = mx.concatenate(vals).astype(self.store.dtype)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Only the table row moves: the KV stays in its blocks."""
-        self._tables[dst] = self._tables[src]
+    def set_hole(self, row: int) -> None:
+        """Row ``row`` left: point it at the scratch block (past the pool's ids), so the hole's
+        writes never land in a block another request now holds."""
+        self._tables[row] = self.n_ids
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         """This step's index arrays: each row's write slot and read slots, by table."""

@@ -220,9 +220,9 @@ class EngineCore:
             budget -= n
             if first is not None:
                 results.append(first)
-        for seq in list(runner.rows):
-            if seq.state is not None and seq.state.joined:  # not preempted meanwhile
-                self._make_room(seq)
+        for row in list(runner.rows):
+            if row is not None and row.state.joined:  # not preempted meanwhile
+                self._make_room(row)
         launched = runner.step(sched.max_block_id) if runner.rows else None
         # Read back what was launched before this step (and prefills' first tokens).
         for sampled in [*self._inflight, *results]:
@@ -299,6 +299,8 @@ class EngineCore:
         finished: list[tuple[Seq, str]] = []
         stepped: list[Running] = []
         for i, seq in enumerate(sampled.seqs):
+            if seq is None:  # a hole
+                continue
             run: Running | None = seq.out
             if run is None or seq.handle.done or seq.request_id not in self._live:
                 continue

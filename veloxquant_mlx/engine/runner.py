@@ -6,7 +6,8 @@ batch's memory (``cache.paged``: its blocks, or its row of the working set) and 
 decode step. A step feeds every row its last sampled token at its own position, samples each row
 with its own sampler and processors, and is evaluated asynchronously: the engine reads step
 ``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row leaves by
-dropping its table (paged) or by the last row taking its place (dense): nobody else's KV moves.
+leaving a hole in its slot (computed, masked, never read) that the next arrival fills: nobody's
+KV moves or is copied when a row joins or leaves.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RowState:
 class Sampled:
     """Tokens sampled for some rows, not yet read back (one step, or one prefill)."""
 
-    seqs: list[Seq]
+    seqs: list[Seq | None]  # None: a hole in the batch
     tokens: mx.array  # [rows]
     logprobs: mx.array | None  # [rows, vocab], when a row asked for logprobs
 
@@ -83,7 +84,7 @@ class Runner:
         self.model = model
         self.kv = kv
         self.prefill_step = prefill_step
-        self.rows: list[Seq] = []
+        self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
 
@@ -110,7 +111,7 @@ class Runner:
             return n, None
         state.context = TokenBuffer(tokens) if state.processors else None
         context = mx.array(tokens, dtype=mx.int32) if state.processors else None
-        sampled = self._sample([seq], logits[:, -1, :], [context])
+        sampled = self._sample([seq], logits[:, -1, :], [context])  # type: ignore[list-item]
         self._join(seq)
         state.next_input = sampled.tokens
         mx.async_eval(sampled.tokens)
@@ -127,7 +128,7 @@ class Runner:
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         logits = self.model(tokens, cache=caches)[:, -1, :]
         contexts = [mx.array(s.tokens) if s.state.processors else None for s in seqs]
-        sampled = self._sample(seqs, logits, contexts)
+        sampled = self._sample(list(seqs), logits, contexts)
         for i, seq in enumerate(seqs):
             state: RowState = seq.state
             seq.n_kv = lengths[i]
@@ -146,10 +147,15 @@ class Runner:
         if layers is None:
             caches: list[Any] = state.caches or []
             layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-        self.kv.put_row(len(self.rows), layers, seq.table)
+        try:  # the first hole a leaver left, else a new row at the end
+            slot = self.rows.index(None)
+        except ValueError:
+            slot = len(self.rows)
+            self.rows.append(None)
+        self.kv.put_row(slot, layers, seq.table)
         state.caches = None
         state.joined = True
-        self.rows.append(seq)
+        self.rows[slot] = seq
 
     # ------------------------------------------------------------------ decode
 
@@ -166,52 +172,58 @@ class Runner:
         last = self._last
         if last is not None and last.seqs == rows:
             inputs = last.tokens
-        else:
-            inputs = mx.concatenate([s.state.next_input for s in rows])
-        batch = StepBatch([s.n_kv for s in rows])
+        else:  # a hole (a row that left) feeds token 0 at position 0 of its own slot
+            hole = mx.zeros((1,), dtype=mx.uint32)
+            inputs = mx.concatenate(
+                [hole if s is None else s.state.next_input.astype(mx.uint32) for s in rows]
+            )
+        batch = StepBatch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
         caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         contexts: list[mx.array | None] = []
         for i, seq in enumerate(rows):
-            seq.n_kv += 1
-            state: RowState = seq.state
-            if state.processors:
+            state: RowState | None = None if seq is None else seq.state
+            if seq is not None:
+                seq.n_kv += 1
+            if state is not None and state.processors:
                 assert state.context is not None
                 contexts.append(state.context.update_and_fetch(inputs[i : i + 1]))
             else:
                 contexts.append(None)
         sampled = self._sample(rows, logits, contexts)
         for i, seq in enumerate(rows):
-            seq.state.next_input = sampled.tokens[i : i + 1]
+            if seq is not None:
+                seq.state.next_input = sampled.tokens[i : i + 1]
         self._last = sampled
         mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
         return sampled
 
     def _sample(
-        self, seqs: list[Seq], logits: mx.array, contexts: list[mx.array | None]
+        self, seqs: list[Seq | None], logits: mx.array, contexts: list[mx.array | None]
     ) -> Sampled:
-        if any(s.state.processors for s in seqs):
+        live = [s for s in seqs if s is not None]
+        if any(s.state.processors for s in live):
             parts = []
             for i, seq in enumerate(seqs):
                 row = logits[i : i + 1]
                 context = contexts[i]
-                for processor in seq.state.processors:
+                for processor in () if seq is None else seq.state.processors:
                     row = processor(context, row)
                 parts.append(row)
             logits = mx.concatenate(parts)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1)
-        if any(s.state.sampler is not None for s in seqs):
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        if any(s.state.sampler is not None for s in live):
             tokens = mx.concatenate(
                 [
                     tokens[i : i + 1]
-                    if s.state.sampler is None
-                    else s.state.sampler(logprobs[i : i + 1])
+                    if s is None or s.state.sampler is None
+                    else s.state.sampler(logprobs[i : i + 1]).astype(mx.uint32)
                     for i, s in enumerate(seqs)
                 ]
             )
-        wants = any(s.handle.request.logprobs for s in seqs)
+        wants = any(s.handle.request.logprobs for s in live)
         return Sampled(seqs, tokens, logprobs if wants else None)
 
     def remove(self, seq: Seq) -> None:
@@ -223,13 +235,11 @@ class Runner:
         if not state.joined:
             return
         state.joined = False
-        i = self.rows.index(seq)
-        last = len(self.rows) - 1
-        if i != last:
-            moved = self.rows[last]
-            self.kv.move_row(last, i, moved.n_kv)
-            self.rows[i] = moved
-        self.rows.pop()
+        slot = self.rows.index(seq)
+        self.rows[slot] = None  # a hole: nothing moves; the next arrival takes the slot
+        self.kv.set_hole(slot)
+        while self.rows and self.rows[-1] is None:
+            self.rows.pop()
         if not self.rows:
             self.kv.clear()
             self._last = None
