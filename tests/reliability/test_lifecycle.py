@@ -142,11 +142,11 @@ def test_shrinks_under_streaming_load_answer_everyone_truthfully(tmp_path, defau
                     outcomes.append("capacity_reduced")
                     continue
                 events = sse_events(r.text)
-                if r.status_code == 200 and events[-1] == "[DONE]" and "error" in events[-2]:
-                    # it outgrew the shrunk pool mid-stream, alone (nobody to preempt for it)
-                    if events[-2]["error"]["code"] == "capacity_reduced":
-                        outcomes.append("capacity_reduced")
-                        continue
+                ended = r.status_code == 200 and events[-1] == "[DONE]"
+                # it outgrew the shrunk pool mid-stream, alone (nobody to preempt for it)
+                if ended and events[-2].get("error", {}).get("code") == "capacity_reduced":
+                    outcomes.append("capacity_reduced")
+                    continue
                 if r.status_code != 200 or events[-1] != "[DONE]" or "error" in events[-2]:
                     problems.append(r.text[-300:])
                     continue
