@@ -18,10 +18,11 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.core import EngineCore, Inbox, Parts
+from veloxquant_mlx.engine.core import EngineCore, Parts
 from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.grammar import grammar_tokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.inbox import Inbox
 from veloxquant_mlx.engine.scheduler import Scheduler
 from veloxquant_mlx.engine.scoring import prompt_logprobs
 from veloxquant_mlx.engine.sizing import KVGeometry

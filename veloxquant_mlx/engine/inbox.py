@@ -1,0 +1,56 @@
+"""The channel between callers' threads and the engine thread: commands in, a snapshot out."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from veloxquant_mlx.engine.handle import RequestHandle
+
+
+@dataclass(slots=True)
+class Counters:
+    """Request and token counters; guarded by the inbox lock."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: collections.Counter[str] = field(default_factory=collections.Counter)
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the loop publishes after each turn that changed something."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_in_use: int = 0
+    preemptions: int = 0
+    kv_layout: str = ""
+    kv_working_bytes: int = 0
+
+
+class Inbox:
+    """The one channel from callers' threads to the engine thread, and back (the snapshot).
+
+    ``lock`` (a Condition) guards every field; it is never held across an MLX call.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.adds: collections.deque[RequestHandle] = collections.deque()
+        self.cancels: set[int] = set()
+        self.commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
+            collections.deque()
+        )
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.alive = False
+        self.counters = Counters()
+        self.snapshot = Snapshot()
+        self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
