@@ -4,8 +4,9 @@ Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.
 
 - ``PagedKV``: the pool's blocks are the memory. One MLX array of ``n_ids * block_size`` slots
   (``[slots, kv_heads, head_dim]``) holds every block id's K or V; a row's block table maps its
-  positions to slots. A step writes each row's new token with one scatter per layer (in place:
-  the store is referenced once) and reads through the tables with one gather per layer.
+  positions to slots. A step reads through the tables with one gather per layer and stream (the
+  new token goes into the gathered copy); the step's new tokens reach the store in one scatter
+  when the next step begins (in place: nothing else references the store by then).
 - ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
   row ``i`` = batch row ``i``. A row joins by copying its prefill into its row, leaves by moving
   the last row into its place: O(row), never a copy of every row. MLX's CPU gather is too slow
@@ -170,7 +171,8 @@ class PagedKV:
         self.store: mx.array | None = None
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._gather: mx.array | None = None  # this step's read slots [rows, 2L, width]
-        self._write: mx.array | None = None  # and write slots [2L, rows]
+        self._write: mx.array | None = None  # and write slots [2L * rows]
+        self._new: list[mx.array] = []  # this step's new K/V by stream: [rows, H, D] each
 
     def _ensure(self, max_id: int, like: mx.array | None = None) -> None:
         """A store holding block ids up to ``max_id`` (made on the first row, shaped like its K)."""
@@ -206,6 +208,7 @@ class PagedKV:
 
     def put_row(self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any) -> None:
         """Write a prefilled row's KV into its blocks and mirror its table."""
+        self._flush()  # a pending token of a row that left must not land over this one
         self.set_table(row, table)
         n = layers[0][0].shape[2]
         self._ensure(int(self._tables[row, :, : len(table[0])].max()), layers[0][0])
@@ -224,7 +227,9 @@ class PagedKV:
         self._tables[row] = self.n_ids
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
-        """This step's index arrays: each row's write slot and read slots, by table."""
+        """This step's index arrays (each row's write and read slots, by table); the previous
+        step's tokens are written into the store first, in one scatter."""
+        self._flush()
         self._ensure(max_id)
         bs = self.block_size
         rows = len(batch.positions_list)
@@ -232,21 +237,36 @@ class PagedKV:
         pos = np.asarray(batch.positions_list)
         tab = self._tables[:rows, :, : -(-width // bs)]
         write = tab[np.arange(rows), :, pos // bs] * bs + (pos % bs)[:, None]  # [rows, 2L]
-        self._write = mx.array(np.ascontiguousarray(write.T))
+        self._write = mx.array(np.ascontiguousarray(write.T).reshape(-1))
         offs = mx.arange(bs, dtype=mx.int32)
         slots = mx.array(tab)[..., None] * bs + offs
         self._gather = slots.reshape(rows, 2 * self.n_layers, -1)[..., :width]
+        self._new = []
+
+    def _flush(self) -> None:
+        """Write the last step's new tokens (every layer's K and V) into the store: one scatter
+        before anything reads or writes the store again, so it lands in place."""
+        if self._new:
+            assert self.store is not None and self._write is not None
+            vals = mx.concatenate(self._new).astype(self.store.dtype)  # [2L * rows, H, D]
+            self.store[self._write] = vals
+            self._new = []
 
     def write_read(
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
     ) -> tuple[mx.array, mx.array]:
-        assert self.store is not None and self._write is not None and self._gather is not None
-        new = mx.concatenate([keys[:, :, 0, :], values[:, :, 0, :]])
-        idx = mx.concatenate([self._write[2 * layer], self._write[2 * layer + 1]])
-        self.store[idx] = new.astype(self.store.dtype)
-        k = self.store[self._gather[:, 2 * layer]].transpose(0, 2, 1, 3)  # [rows, H, width, D]
-        v = self.store[self._gather[:, 2 * layer + 1]].transpose(0, 2, 1, 3)
-        return k, v
+        """Read the layer's K and V through the tables with the new token put in the gathered
+        copy (it reaches the store at the next ``_flush``): the store is only read this step."""
+        assert self.store is not None and self._gather is not None
+        rows = keys.shape[0]
+        r = mx.arange(rows)
+        out = []
+        for stream, new in ((2 * layer, keys[:, :, 0, :]), (2 * layer + 1, values[:, :, 0, :])):
+            got = self.store[self._gather[:, stream]]  # [rows, width, H, D]
+            got[r, batch.positions] = new.astype(got.dtype)
+            out.append(got.transpose(0, 2, 1, 3))
+            self._new.append(new)
+        return out[0], out[1]
 
     def clear(self) -> None:
         """Keep the store: it is the pool's memory, sized once."""

@@ -178,7 +178,13 @@ class EngineCore:
             if row is not None and row.state.joined:  # not preempted meanwhile
                 self._make_room(row)
         launched = runner.step(sched.max_block_id) if runner.rows else None
-        # Read back what was launched before this step (and prefills' first tokens).
+        if launched is not None:
+            if self.config.launch_after_previous:
+                for sampled in self._inflight:  # built while it ran; launched once it is done
+                    mx.eval(sampled.tokens)
+            runner.launch(launched)
+        # Read back what was launched before this step (and prefills' first tokens) while the
+        # new step runs.
         for sampled in [*self._inflight, *results]:
             self._absorb(sampled)
         self._inflight = [launched] if launched is not None else []

@@ -165,7 +165,7 @@ class Runner:
             self.kv.set_table(self.rows.index(seq), seq.table, old_blocks)
 
     def step(self, max_block_id: int) -> Sampled | None:
-        """Launch one decode step over every row; the tokens are read later (``Sampled``)."""
+        """Build one decode step over every row (``launch`` starts it; tokens are read later)."""
         rows = list(self.rows)
         if not rows:
             return None
@@ -196,8 +196,15 @@ class Runner:
             if seq is not None:
                 seq.state.next_input = sampled.tokens[i : i + 1]
         self._last = sampled
-        mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
         return sampled
+
+    @staticmethod
+    def launch(sampled: Sampled) -> None:
+        """Start evaluating a built step. The engine launches step ``n + 1`` once step ``n``
+        has finished on the device, so no in-flight read holds the KV memory and the step's
+        writes land in place (MLX donates a buffer only when nothing else references it; a
+        launch while step ``n`` runs copies every layer's KV: 2x memory, and a copy per step)."""
+        mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
 
     def _sample(
         self, seqs: list[Seq | None], logits: mx.array, contexts: list[mx.array | None]
