@@ -118,6 +118,8 @@ def library(path: Path, c: int, n: int, prompt_tokens: int, max_tokens: tuple[in
     mx.synchronize()
     rate = produced / (time.perf_counter() - t0)
     gen.close()
+    del gen, model
+    mx.clear_cache()  # the servers measured next share the device: give its memory back
     return rate
 
 

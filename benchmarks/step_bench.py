@@ -8,8 +8,8 @@ process, mlx_lm's ``BatchGenerator`` with every request inserted up front (batch
 one client, ``generate_step`` with stock caches (single-stream decode). Peak memory is MLX's
 (``mx.get_peak_memory``) over the run, beside the model's own bytes.
 
-``--launch after`` (the engine's default) starts a step once the previous one is done, so its
-KV writes land in place; ``ahead`` starts it at once (and MLX copies the KV memory each step).
+``--launch ahead`` (the engine's default) starts a step as soon as it is built, one step ahead of
+the tokens being read; ``after`` waits for the previous step to finish first.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--max-tokens", default="128", help="N or LO-HI (varied lengths)")
     p.add_argument("--per-level", type=int, default=0, help="requests per level (default 3c)")
     p.add_argument("--layouts", default="dense,paged")
-    p.add_argument("--launch", default="after", help="after,ahead")
+    p.add_argument("--launch", default="ahead", help="ahead,after")
     p.add_argument("--peers", default="library,stock")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.add_argument("--work", default=None, help="where the model is written (default: a tmp dir)")

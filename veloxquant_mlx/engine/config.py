@@ -30,10 +30,10 @@ class EngineConfig:
     # Where running rows' KV lives: "paged" (the pool's blocks, read through block tables),
     # "dense" (a contiguous working set, O(row) joins and leaves), "auto" (the measured best).
     kv_layout: str = "auto"
-    # Launch a decode step only once the previous one finished (its graph is built meanwhile):
-    # the KV writes then land in place. False launches at once and MLX copies the KV memory
-    # each step (kept for measurement: benchmarks/step_bench.py).
-    launch_after_previous: bool = True
+    # Launch a decode step only once the previous one has finished (its graph is built while
+    # it runs). False (measured faster: BENCHMARKS.md, "Launch") launches at once, one step
+    # ahead of the tokens being read, as mlx_lm's BatchGenerator does.
+    launch_after_previous: bool = False
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2

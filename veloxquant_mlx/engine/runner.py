@@ -200,10 +200,7 @@ class Runner:
 
     @staticmethod
     def launch(sampled: Sampled) -> None:
-        """Start evaluating a built step. The engine launches step ``n + 1`` once step ``n``
-        has finished on the device, so no in-flight read holds the KV memory and the step's
-        writes land in place (MLX donates a buffer only when nothing else references it; a
-        launch while step ``n`` runs copies every layer's KV: 2x memory, and a copy per step)."""
+        """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later)."""
         mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
 
     def _sample(
