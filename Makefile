@@ -61,7 +61,7 @@ loadtest: $(STAMP)
 
 # Ours against mlx_lm.server on the same models, side by side (writes loadtest-compare.md).
 compare: $(STAMP)
-	$(PY) -m loadtest.compare $(ARGS)
+	$(PY) -m benchmarks.compare $(ARGS)
 
 # Mixed traffic with cancels, bad inputs, shrinks and scrapes against a server it starts on
 # loopback, for MINUTES minutes; fails on any 5xx, a leaked block or RSS growth after warm-up.

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.__main__ import level, parse
-from loadtest.compare import free_port, server
+from loadtest.proc import free_port, server
 from loadtest.runner import WORDS
 
 SHAPES: dict[str, dict[str, Any]] = {

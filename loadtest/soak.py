@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.compare import free_port, proc_status_mb, server
 from loadtest.probe import _idle
+from loadtest.proc import free_port, proc_status_mb, server
 
 MODEL = "veloxquant-tiny-llama"
 PET_SCHEMA = {

@@ -19,8 +19,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.engine.conftest import wait_idle
 from tests.conftest import assert_pool_all_free
+from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.default_model import ASSETS, CONFIG, TOKENIZER_FILES
 from veloxquant_mlx.engine.engine import Engine, EngineConfig
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams

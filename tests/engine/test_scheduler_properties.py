@@ -153,6 +153,9 @@ class Tables(RuleBasedStateMachine):
 
 
 Tables.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 test_block_tables_follow_pool_ownership = Tables.TestCase

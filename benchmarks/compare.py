@@ -1,6 +1,6 @@
 """``make compare``: our server against mlx_lm.server on the same local model, side by side.
 
-    python -m loadtest.compare [--models embedded,100m] [--concurrency 1,8,32] [--requests 64]
+    python -m benchmarks.compare [--models embedded,100m] [--concurrency 1,8,32] [--requests 64]
 
 Starts both servers on loopback (same model directory, same BLAS preload), runs the same
 closed-loop load on each at every concurrency (interleaved: ours, theirs), records peak resident
@@ -15,66 +15,16 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from loadtest.__main__ import level, parse
+from loadtest.proc import free_port, peak_rss_mb, server
 from loadtest.stats import Record, Summary, percentile, summarize
 from veloxquant_mlx.blas import select
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def proc_status_mb(pid: int, field: str) -> float:
-    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB; NaN if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def peak_rss_mb(pid: int) -> float:
-    return proc_status_mb(pid, "VmHWM")
-
-
-@contextmanager
-def server(cmd: list[str], port: int, env: dict[str, str], log: Path):
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0:3]} exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @dataclass(slots=True)

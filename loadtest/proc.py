@@ -1,0 +1,58 @@
+"""Process helpers for harnesses that start servers on loopback: a free port, /proc memory
+fields, and a server context that waits for ``/v1/models`` and stops the process by pid."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_status_mb(pid: int, field: str) -> float:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB; NaN if unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def peak_rss_mb(pid: int) -> float:
+    return proc_status_mb(pid, "VmHWM")
+
+
+@contextmanager
+def server(cmd: list[str], port: int, env: dict[str, str], log: Path):
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0:3]} exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
