@@ -141,6 +141,7 @@ def serve_and_load(
                 "ttft_p99_ms": s.ttft_s["p99"] * 1e3,
                 "errors": float(sum(s.errors_by_status.values())),
                 "requests": float(s.requests),
+                "prefix_hit_rate": s.prefix_hit_rate,
             }
             print(f"  c={c}: {out[c]}", flush=True)
     return out
@@ -158,6 +159,10 @@ def main() -> None:
     p.add_argument("--peers", default="library,mlx_lm")
     p.add_argument("--blas", default="off")
     p.add_argument("--kv-cache-mb", default="16384", help="our pool (the GPU has room)")
+    p.add_argument(
+        "--shared-prefix-tokens", type=int, default=0, help="a system prompt shared by all"
+    )
+    p.add_argument("--turns", type=int, default=1, help="conversations of this many turns (chat)")
     p.add_argument("--work", default="bench-work")
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
@@ -168,8 +173,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = write_model(work / f"model-{a.shape}", a.shape, a.dtype)
     words = words_for(path, a.prompt_tokens)
+    shared = words_for(path, a.shared_prefix_tokens) if a.shared_prefix_tokens else 0
     lt = parse(["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,
-                "--no-leak-check", "--scrape-interval", "1.0"])  # fmt: skip
+                "--no-leak-check", "--scrape-interval", "1.0", "--shared-prefix-words",
+                str(shared), "--turns", str(a.turns),
+                "--api", "chat" if a.turns > 1 else "completions"])  # fmt: skip
     results: dict[str, Any] = {"shape": a.shape, "prompt_tokens": a.prompt_tokens,
                                "max_tokens": a.max_tokens, "words": words}  # fmt: skip
     peers = a.peers.split(",") if a.peers else []
@@ -215,7 +223,11 @@ def report(results: dict[str, Any], levels: list[int]) -> list[str]:
                 cells.append("-")
                 continue
             frac = f", {r['tok_s'] / lib:.0%} of library" if lib else ""
-            cells.append(f"{r['tok_s']:.0f} ({r['ttft_p99_ms']:.0f}{frac}, {r['errors']:.0f} err)")
+            hits = r.get("prefix_hit_rate")
+            cached = f", TTFT p50 {r['ttft_p50_ms']:.0f}, hits {hits:.0%}" if hits else ""
+            cells.append(
+                f"{r['tok_s']:.0f} ({r['ttft_p99_ms']:.0f}{frac}{cached}, {r['errors']:.0f} err)"
+            )
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
 

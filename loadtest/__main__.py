@@ -3,6 +3,7 @@
     python -m loadtest --url http://127.0.0.1:8000 --concurrency 1,8,32 --requests 64
     python -m loadtest --url ... --rate 4 --requests 100          # open loop, Poisson arrivals
     python -m loadtest --url ... --compare http://127.0.0.1:8080  # the same load on both, ratios
+    python -m loadtest --url ... --shared-prefix-words 1000 --turns 6  # multi-turn, hit rate
 
 Against a veloxquant server it also scrapes /metrics (peak blocks, rejections) and fails the run
 (exit 1) if, once idle, any block is still in use or any request still running or waiting.
@@ -42,6 +43,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=300.0, help="seconds per level (a bound)")
     p.add_argument("--prompt-words", default="16-64", help="prompt length range in words")
     p.add_argument("--max-tokens", default="32-64", help="output length range in tokens")
+    p.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        default=0,
+        help="a system prompt of this many words shared by every request (prefix caching)",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="conversations of this many turns, each resending its history (chat API)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
@@ -89,6 +102,8 @@ async def level(
         temperature=args.temperature,
         seed=args.seed if seed is None else seed,
         api_key=args.api_key,
+        shared_prefix_words=args.shared_prefix_words,
+        turns=args.turns,
     )
     limits = httpx.Limits(max_connections=max(concurrency, 64) * 2)
     async with httpx.AsyncClient(limits=limits, timeout=sc.request_timeout) as client:

@@ -97,8 +97,13 @@ class Probe:
 
 
 def _idle(m: dict[str, float]) -> bool:
+    """Nothing running or waiting, and no block held for a request: the pool's blocks in use
+    are all cached pages no request holds (evictable), if any."""
+    held = m.get("veloxquant_block_pool_blocks_in_use", 1) - m.get(
+        "veloxquant_prefix_cache_evictable_blocks", 0
+    )
     return (
-        m.get("veloxquant_block_pool_blocks_in_use", 1) == 0
+        held == 0
         and m.get("veloxquant_requests_running", 1) == 0
         and m.get("veloxquant_requests_waiting", 1) == 0
     )

@@ -40,6 +40,8 @@ class Scenario:
     seed: int = 0
     request_timeout: float = 300.0
     api_key: str | None = None
+    shared_prefix_words: int = 0  # a system prompt of this many words, shared by every request
+    turns: int = 1  # > 1: conversations of this many turns, each resending its history (chat)
 
 
 def check_loopback(url: str) -> None:
@@ -65,6 +67,21 @@ def make_requests(sc: Scenario) -> list[tuple[str, int]]:
     return out
 
 
+def system_prompt(sc: Scenario) -> str | None:
+    """The shared system prompt (the same text on every run with the same seed), if any."""
+    if not sc.shared_prefix_words:
+        return None
+    rng = random.Random(sc.seed + 7)
+    return "Instructions: " + " ".join(rng.choice(WORDS) for _ in range(sc.shared_prefix_words))
+
+
+def conversations(sc: Scenario) -> list[list[tuple[str, int]]]:
+    """The work as conversations of ``sc.turns`` user turns (one request each, in order)."""
+    work = make_requests(sc)
+    k = max(1, sc.turns)
+    return [work[i : i + k] for i in range(0, len(work), k)]
+
+
 async def resolve_model(client: httpx.AsyncClient, sc: Scenario) -> str:
     if sc.model:
         return sc.model
@@ -74,15 +91,23 @@ async def resolve_model(client: httpx.AsyncClient, sc: Scenario) -> str:
 
 
 async def one(
-    client: httpx.AsyncClient, sc: Scenario, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    sc: Scenario,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    history: list[dict] | None = None,
 ) -> Record:
+    """One request; ``history``: the conversation's earlier messages (chat)."""
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": sc.temperature}
-    if sc.api == "chat":
+    system = system_prompt(sc)
+    if sc.api == "chat" or history:
         url = f"{sc.base_url}/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": prompt}]
+        head = [{"role": "system", "content": system}] if system else []
+        body["messages"] = [*head, *(history or []), {"role": "user", "content": prompt}]
     else:
         url = f"{sc.base_url}/v1/completions"
-        body["prompt"] = prompt
+        body["prompt"] = f"{system}\n\n{prompt}" if system else prompt
     if sc.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -95,9 +120,13 @@ async def one(
             r = await client.post(url, json=body, headers=headers, timeout=sc.request_timeout)
             rec.status = r.status_code
             if r.status_code == 200:
-                usage = r.json().get("usage") or {}
+                obj = r.json()
+                usage = obj.get("usage") or {}
                 rec.output_tokens = usage.get("completion_tokens", 0)
                 rec.prompt_tokens = usage.get("prompt_tokens", 0)
+                rec.cached_tokens = _cached(usage)
+                choice = (obj.get("choices") or [{}])[0]
+                rec.text = choice.get("text") or (choice.get("message") or {}).get("content") or ""
                 rec.first_token = time.monotonic()  # non-streaming: TTFT is the whole request
             else:
                 rec.error = r.text[:200]
@@ -115,6 +144,7 @@ async def _streamed(client, url, body, headers, timeout, rec: Record) -> None:
             return
         chunks = 0
         usage = None
+        parts: list[str] = []
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -132,6 +162,7 @@ async def _streamed(client, url, body, headers, timeout, rec: Record) -> None:
                 if text is None:
                     text = (choice.get("delta") or {}).get("content")
                 if text:
+                    parts.append(text)
                     now = time.monotonic()
                     if rec.first_token is None:
                         rec.first_token = now
@@ -139,6 +170,12 @@ async def _streamed(client, url, body, headers, timeout, rec: Record) -> None:
                     chunks += 1
         rec.output_tokens = (usage or {}).get("completion_tokens", chunks)
         rec.prompt_tokens = (usage or {}).get("prompt_tokens", 0)
+        rec.cached_tokens = _cached(usage or {})
+        rec.text = "".join(parts)
+
+
+def _cached(usage: dict) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 class Progress:
@@ -185,7 +222,26 @@ async def run(client: httpx.AsyncClient, sc: Scenario, label: str) -> tuple[list
         records.append(rec)
         progress.update(rec)
 
-    if sc.rate is None:
+    if sc.rate is None and sc.turns > 1:
+        convs = list(reversed(conversations(sc)))
+
+        async def talker() -> None:
+            """One conversation at a time: every turn resends the history so far."""
+            while convs and time.monotonic() < deadline:
+                history: list[dict] = []
+                for prompt, max_tokens in convs.pop():
+                    rec = await one(client, sc, model, prompt, max_tokens, history or None)
+                    records.append(rec)
+                    progress.update(rec)
+                    if not rec.ok or time.monotonic() >= deadline:
+                        break
+                    history += [
+                        {"role": "user", "content": prompt},
+                        {"role": "assistant", "content": rec.text},
+                    ]
+
+        await asyncio.gather(*(talker() for _ in range(sc.concurrency)))
+    elif sc.rate is None:
         queue = list(reversed(work))
 
         async def worker() -> None:

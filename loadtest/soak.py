@@ -315,8 +315,10 @@ def _wait_idle(base: str, key: str, timeout: float = 60.0) -> bool:
             while time.monotonic() < deadline:
                 m = await scrape(client, base)
                 if m is not None and _idle(m):
-                    r = await client.get(
-                        f"{base}/admin/pool", headers={"Authorization": f"Bearer {key}"}
+                    # the cache drops what no request holds: then nothing may be left
+                    r = await client.post(
+                        f"{base}/admin/prefix-cache/reset",
+                        headers={"Authorization": f"Bearer {key}"},
                     )
                     view = r.json()
                     return view["stats"]["blocks_in_use"] == 0 and view["owners"] == {}

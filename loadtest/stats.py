@@ -20,6 +20,8 @@ class Record:
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server says
+    text: str = ""  # the answer (multi-turn conversations resend it)
 
     @property
     def ok(self) -> bool:
@@ -73,6 +75,9 @@ class Summary:
     tpot_s: dict[str, float]
     e2e_s: dict[str, float]
     server: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefix_hit_rate: float = 0.0  # cached / prompt tokens, as the server reported them
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,14 +117,17 @@ def summarize(
         itl_s=_dist(itl),
         tpot_s=_dist([r.tpot for r in ok if r.tpot is not None]),
         e2e_s=_dist([r.e2e for r in ok]),
+        prompt_tokens=(prompt := sum(r.prompt_tokens for r in ok)),
+        cached_tokens=(cached := sum(r.cached_tokens for r in ok)),
+        prefix_hit_rate=cached / prompt if prompt else 0.0,
     )
 
 
 def markdown(summaries: list[Summary]) -> str:
     rows = [
         "| run | ok/total | errors | out tok/s | req/s | goodput req/s | TTFT p50/p90/p99 ms | "
-        "ITL p50/p99 ms | TPOT p50 ms | E2E p50/p90/p99 s |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "ITL p50/p99 ms | TPOT p50 ms | E2E p50/p90/p99 s | prefix hits |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         errs = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors_by_status.items())) or "none"
@@ -130,6 +138,6 @@ def markdown(summaries: list[Summary]) -> str:
             f"{s.ttft_s['p99'] * 1e3:.0f} | "
             f"{s.itl_s['p50'] * 1e3:.1f} / {s.itl_s['p99'] * 1e3:.1f} | "
             f"{s.tpot_s['p50'] * 1e3:.1f} | {s.e2e_s['p50']:.2f} / {s.e2e_s['p90']:.2f} / "
-            f"{s.e2e_s['p99']:.2f} |"
+            f"{s.e2e_s['p99']:.2f} | {s.prefix_hit_rate:.0%} |"
         )
     return "\n".join(rows)

@@ -43,6 +43,17 @@ def assert_pool_all_free(pool: BlockPoolAllocator) -> None:
     assert pool.owner_block_counts() == {}, f"owners left: {pool.owner_block_counts()}"
 
 
+def assert_engine_all_free(engine) -> None:
+    """An idle engine holds nothing for a request; once its prefix cache drops the pages no
+    request holds, the pool is all free (a page a finished request still referenced would
+    stay: a leak). On a stopped engine, the pool alone."""
+    if engine.alive:
+        stats = engine.stats()
+        assert stats.blocks_in_use == 0, f"{stats.blocks_in_use} blocks still held: {stats}"
+        engine.reset_prefix_cache()
+    assert_pool_all_free(engine.pool)
+
+
 @pytest.fixture
 def make_pool() -> Iterator[Callable[..., BlockPoolAllocator]]:
     """A factory of pools that are checked all free (no block, no owner) at teardown."""

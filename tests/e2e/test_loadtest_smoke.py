@@ -37,6 +37,21 @@ def test_chat_and_non_streaming_modes(server, tmp_path):
     assert rc == 0
 
 
+def test_multi_turn_conversations_behind_a_shared_prompt_hit_the_prefix_cache(server, tmp_path):
+    out = tmp_path / "turns.json"
+    rc = main([
+        "--url", server.base_url, "--concurrency", "2", "--requests", "8", "--turns", "4",
+        "--shared-prefix-words", "120", "--max-tokens", "8-16", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    [r] = json.loads(out.read_text())
+    assert r["ok"] == 8 and r["errors_by_status"] == {}
+    # every turn after a conversation's first resends the system prompt and history
+    assert 0.3 < r["prefix_hit_rate"] < 1 and r["cached_tokens"] % 16 == 0
+    assert r["server"]["leak_free"] is True
+    server.wait_pool_free()
+
+
 def test_targets_off_this_machine_are_refused():
     check_loopback("http://127.0.0.1:8000")
     check_loopback("http://localhost:1")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.conftest import assert_pool_all_free
+from tests.conftest import assert_engine_all_free, assert_pool_all_free
 from veloxquant_mlx.engine.engine import Engine, EngineConfig
 
 
@@ -37,7 +37,7 @@ def make_engine(default_model_dir) -> Iterator[Callable[..., Engine]]:
     for engine in engines:
         if engine.alive:
             wait_idle(engine)
-            assert_pool_all_free(engine.pool)
+            assert_engine_all_free(engine)
         engine.shutdown(5)
         assert not engine.alive
         assert_pool_all_free(engine.pool)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.conftest import assert_pool_all_free
+from tests.conftest import assert_engine_all_free
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.default_model import ASSETS, CONFIG, TOKENIZER_FILES
 from veloxquant_mlx.engine.engine import Engine, EngineConfig
@@ -90,7 +90,7 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(arch_mod
             ours.append([t.token_id for t in tokens])
         wait_idle(engine)
         assert engine.stats().kv_layout == layout
-        assert_pool_all_free(engine.pool)
+        assert_engine_all_free(engine)
     finally:
         engine.shutdown(5)
     for p, n, got in zip(prompts, lengths, ours, strict=True):

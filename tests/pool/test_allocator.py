@@ -421,3 +421,18 @@ def test_empty_pool_raises_on_allocate_and_reports_zero_fragmentation():
 def test_config_must_be_a_pool_config():
     with pytest.raises(ValueError):
         BlockPoolAllocator({"n_blocks": 4})  # type: ignore[arg-type]
+
+
+def test_transfer_hands_blocks_over_in_place(make_pool):
+    pool = make_pool(block_size=4, n_blocks=16, separate_kv=False)
+    mine = pool.allocate("kv", 12, owner=1)  # 3 blocks
+    other = pool.allocate("kv", 4, owner=2)
+    assert pool.transfer(mine[:2] + other, owner=1, new_owner=-1) == 2  # another's is skipped
+    assert [b.owner for b in mine] == [-1, -1, 1] and other[0].owner == 2
+    assert pool.owner_block_counts() == {1: 1, 2: 1, -1: 2}
+    assert pool.stats.blocks_in_use() == 4 and pool.stats.n_frees == 0
+    pool.check_invariants()
+    assert pool.transfer(mine[2:], owner=1, new_owner=-1) == 1
+    assert 1 not in pool.owner_block_counts()  # its last block went: no longer active
+    pool.free_all(2)
+    pool.free(mine, owner=-1)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from tests.conftest import assert_pool_all_free
+from tests.conftest import assert_engine_all_free
 from tests.e2e.conftest import ADMIN, MODEL, Server, start_server, stop_server
 from veloxquant_mlx.config import Settings
 from veloxquant_mlx.server.app import create_app
@@ -46,11 +46,12 @@ def assert_error(
     return err
 
 
-def wait_pool_free(pool, timeout: float = 20.0) -> None:
+def wait_pool_free(engine, timeout: float = 20.0) -> None:
+    """Wait until ``engine`` holds no block for a request, then check it all free."""
     deadline = time.monotonic() + timeout
-    while pool.stats.blocks_in_use() and time.monotonic() < deadline:
+    while engine.stats().blocks_in_use and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert_pool_all_free(pool)
+    assert_engine_all_free(engine)
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +70,13 @@ def app_client(default_model_dir) -> Iterator[TestClient]:
     app = create_app(settings)
     with TestClient(app, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
         yield client
-        wait_pool_free(app.state.vq.engine.pool)
+        wait_pool_free(app.state.vq.engine)
 
 
 @pytest.fixture
 def pool_free(app_client) -> Iterator[None]:
     yield
-    wait_pool_free(app_client.app.state.vq.engine.pool)  # type: ignore[attr-defined]
+    wait_pool_free(app_client.app.state.vq.engine)  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")

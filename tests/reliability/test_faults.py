@@ -132,7 +132,7 @@ async def test_engine_failure_fails_in_flight_sets_health_503_and_calls_the_exit
             assert (await client.get("/ready")).status_code == 503
             assert_error(await client.post("/v1/completions", json=body), 503)
     await asyncio.to_thread(engine.shutdown, 5)
-    wait_pool_free(engine.pool)
+    wait_pool_free(engine)
 
 
 LAUNCHER = """

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from tests.conftest import assert_pool_all_free
+from tests.conftest import assert_engine_all_free, assert_pool_all_free
 from veloxquant_mlx.config import Settings
 from veloxquant_mlx.engine.engine import Engine
 from veloxquant_mlx.server.app import create_app, engine_config
@@ -38,7 +38,7 @@ async def wait_idle(engine: Engine, timeout: float = 20.0) -> None:
     deadline = loop.time() + timeout
     while loop.time() < deadline:
         stats = engine.stats()
-        if stats.running == 0 and stats.waiting == 0 and engine.pool.stats.blocks_in_use() == 0:
+        if stats.running == 0 and stats.waiting == 0 and stats.blocks_in_use == 0:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"not idle: {engine.stats()}")
@@ -66,6 +66,7 @@ async def client_for(default_model_dir):
         await client.aclose()
         if engine.alive:
             await wait_idle(engine)
+            await asyncio.to_thread(assert_engine_all_free, engine)
         await lifespan.__aexit__(None, None, None)
         await asyncio.to_thread(engine.shutdown, 5)
         assert_pool_all_free(engine.pool)

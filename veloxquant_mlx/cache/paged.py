@@ -113,8 +113,11 @@ class DenseKV:
             setattr(self, name, grown)
         self.rows, self.capacity = new_rows, new_cap
 
-    def put_row(self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any) -> None:
-        """Copy a prefilled row's KV (each layer's ``[1, H, T, D]`` K and V) into row ``row``."""
+    def put_row(
+        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+    ) -> None:
+        """Copy a prefilled row's KV (each layer's ``[1, H, T, D]`` K and V) into row ``row``
+        (all of it: the row is its only copy here, ``start`` is for the paged layout)."""
         n = layers[0][0].shape[2]
         self._grow(row + 1, n + 1, layers[0])
         for layer, (k, v) in enumerate(layers):
@@ -144,6 +147,34 @@ class DenseKV:
         self.k[layer], self.v[layer] = k, v
         w = batch.width
         return k[:rows, :, :w], v[:rows, :, :w]
+
+    keeps_pages = False  # cached pages need their own copy of the KV (``page_kv``)
+
+    def page_kv(
+        self, row: int, index: int, block_size: int, made: list[mx.array]
+    ) -> list[tuple[mx.array, mx.array]]:
+        """A copy of row ``row``'s page ``index`` (every layer's K and V, ``[1, H, bs, D]``),
+        for the prefix cache; the copies are appended to ``made`` for evaluation."""
+        a = index * block_size
+        out = []
+        for k, v in zip(self.k, self.v, strict=True):
+            pair = (
+                mx.contiguous(k[row : row + 1, :, a : a + block_size]),
+                mx.contiguous(v[row : row + 1, :, a : a + block_size]),
+            )
+            made.extend(pair)
+            out.append(pair)
+        return out
+
+    def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
+        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each."""
+        return [
+            (
+                mx.concatenate([p.kv[layer][0] for p in pages], axis=2),
+                mx.concatenate([p.kv[layer][1] for p in pages], axis=2),
+            )
+            for layer in range(self.n_layers)
+        ]
 
     def clear(self) -> None:
         """Drop the working set (the batch is empty): its memory goes back to MLX."""
@@ -207,14 +238,20 @@ class PagedKV:
             self._tables = grown
         self._tables[row, :, start:n] = [ids[start:n] for ids in table]
 
-    def put_row(self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any) -> None:
-        """Write a prefilled row's KV into its blocks and mirror its table."""
+    def put_row(
+        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+    ) -> None:
+        """Write a prefilled row's KV into its blocks from position ``start`` on (before it:
+        cached pages, already there) and mirror its table."""
         self._flush()  # a pending token of a row that left must not land over this one
         self.set_table(row, table)
         n = layers[0][0].shape[2]
         self._ensure(int(self._tables[row, :, : len(table[0])].max()), layers[0][0])
+        if start >= n:
+            return
+        layers = [(k[:, :, start:], v[:, :, start:]) for k, v in layers]
         bs = self.block_size
-        pos = np.arange(n)
+        pos = np.arange(start, n)
         slots = self._tables[row, :, pos // bs] * bs + (pos % bs)[:, None]  # [n, 2L]
         vals = []
         for k, v in layers:
@@ -268,6 +305,21 @@ class PagedKV:
             out.append(got.transpose(0, 2, 1, 3))
             self._new.append(new)
         return out[0], out[1]
+
+    keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
+
+    def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
+        """The cached pages' KV through their block ids, per layer: ``[1, H, pages * bs, D]``."""
+        self._flush()  # a page registered at a row's end may hold the last step's tokens
+        assert self.store is not None
+        bs = self.block_size
+        ids = np.array([p.ids for p in pages], dtype=np.int64).T  # [2L, pages]
+        slots = (ids[:, :, None] * bs + np.arange(bs)).reshape(len(ids), -1)
+        got = self.store[mx.array(slots)]  # [2L, n, H, D]
+        return [
+            (got[2 * layer].transpose(1, 0, 2)[None], got[2 * layer + 1].transpose(1, 0, 2)[None])
+            for layer in range(self.n_layers)
+        ]
 
     def clear(self) -> None:
         """Keep the store: it is the pool's memory, sized once."""

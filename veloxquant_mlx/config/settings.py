@@ -69,6 +69,11 @@ class Settings(BaseSettings):
         description="Where running requests' KV lives: paged (the pool's blocks, read through "
         "block tables), dense (a contiguous working set), auto (the measured best per device).",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Share full KV blocks between requests with the same prompt prefix "
+        "(cached blocks no request holds are evicted, LRU, before any allocation fails).",
+    )
     stream_interval_ms: float = Field(
         25.0,
         ge=0,

@@ -34,6 +34,8 @@ class EngineConfig:
     # it runs). False (measured faster: BENCHMARKS.md, "Launch") launches at once, one step
     # ahead of the tokens being read, as mlx_lm's BatchGenerator does.
     launch_after_previous: bool = False
+    # Share full KV blocks between requests with the same token prefix (engine/prefix_cache.py).
+    prefix_caching: bool = True
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2

@@ -75,6 +75,7 @@ class EngineCore:
         self._live: dict[int, Seq] = {}  # request id -> every admitted or queued request
         self._inflight: list[Sampled] = []  # launched, not read back
         self._changed = True
+        self.runner.on_join = self._cache_prompt
 
     # ------------------------------------------------------------------ loop
 
@@ -158,7 +159,7 @@ class EngineCore:
         width = 0
         for s in pending:
             n = len(s.tokens)
-            if s.state.caches is None and n <= self.config.prefill_step:
+            if s.state.caches is None and s.n_kv == 0 and n <= self.config.prefill_step:
                 if max(width, n) * (len(fresh) + 1) > budget:
                     break
                 fresh.append(s)
@@ -220,9 +221,57 @@ class EngineCore:
 
     def _preempt(self, seq: Seq) -> None:
         log.info("preempting request %d (pool full); it will be recomputed", seq.request_id)
+        self._cache_row(seq)  # what it computed stays (evictable): its return may hit it
         self.runner.remove(seq)
         self.scheduler.preempt(seq)
         self._changed = True
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _cache_prompt(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> None:
+        """A prefilled row joined: cache its prompt's full pages (from the prefill's KV)."""
+        if self.scheduler.cache is None:
+            return
+        bs = self.scheduler.block_size
+        made: list[mx.array] = []
+
+        def kv_of(i: int) -> Any:
+            if self.runner.kv.keeps_pages:
+                return None
+            a = i * bs
+            page = [
+                (mx.contiguous(k[:, :, a : a + bs]), mx.contiguous(v[:, :, a : a + bs]))
+                for k, v in layers
+            ]
+            made.extend(x for pair in page for x in pair)
+            return page
+
+        self.scheduler.register(seq, seq.n_kv, kv_of)
+        if made:
+            mx.async_eval(made)
+
+    def _cache_row(self, seq: Seq) -> None:
+        """A row leaves (finish or preemption): cache the full pages it generated."""
+        state: RowState | None = seq.state
+        if self.scheduler.cache is None or state is None or not state.joined:
+            return
+        kv = self.runner.kv
+        slot = self.runner.rows.index(seq)
+        bs = self.scheduler.block_size
+        made: list[mx.array] = []
+
+        def kv_of(i: int) -> Any:
+            return None if kv.keeps_pages else kv.page_kv(slot, i, bs, made)  # type: ignore[union-attr]
+
+        self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), kv_of)
+        if made:
+            mx.async_eval(made)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page no request holds; returns the blocks freed."""
+        freed = self.scheduler.reset_cache()
+        self._changed = True
+        return freed
 
     # ------------------------------------------------------------------ requests
 
@@ -308,6 +357,8 @@ class EngineCore:
         self._changed = True
         run: Running | None = seq.out
         try:
+            if reason in ("stop", "length", "cancelled"):
+                self._cache_row(seq)
             self.runner.remove(seq)
         finally:
             self.scheduler.finish(seq)
@@ -329,6 +380,7 @@ class EngineCore:
                 tail,
                 error,
                 code,
+                seq.pages.n_cached,
             )
 
     def push_finish(
@@ -340,12 +392,14 @@ class EngineCore:
         tail: str = "",
         error: str | None = None,
         code: str | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         usage = Usage(
             prompt_tokens=len(handle.request.prompt_tokens),
             completion_tokens=n_generated,
             peak_kv_blocks=peak_blocks,
             peak_kv_bytes=peak_blocks * self.parts.kv_bytes_per_block,
+            cached_tokens=cached_tokens,
         )
         with self.inbox.lock:
             self.inbox.counters.finished[reason] += 1
@@ -356,9 +410,12 @@ class EngineCore:
     # ------------------------------------------------------------------ commands
 
     def shrink(self, stream: str, target_free: int) -> int:
-        """Retire free blocks down to ``target_free`` (never a block in use); then answer every
+        """Retire free blocks down to ``target_free`` (never a block in use; the prefix cache's
+        unreferenced pages are evicted first, so their memory goes back too); then answer every
         waiting request that can no longer fit at all."""
         pool = self.scheduler.pool
+        if self.scheduler.reset_cache():
+            self._changed = True
         streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
         retired = 0
         for s in streams:
@@ -373,6 +430,17 @@ class EngineCore:
     def _publish(self) -> None:
         self._changed = False
         sched = self.scheduler
+        cache = None if sched.cache is None else sched.cache.refresh_counts()
+        extra: dict[str, Any] = {}
+        if cache is not None:
+            extra = {
+                "prefix_caching": True,
+                "cached_blocks": cache.blocks,
+                "evictable_blocks": cache.evictable_blocks,
+                "prefix_queries": cache.queries,
+                "prefix_hits": cache.hits,
+                "prefix_evictions": cache.evictions,
+            }
         snap = Snapshot(
             running=len(sched.running),
             waiting=len(sched.waiting),
@@ -380,6 +448,7 @@ class EngineCore:
             preemptions=sched.preemptions,
             kv_layout=self.runner.kv.kind,
             kv_working_bytes=self.runner.kv.nbytes(),
+            **extra,
         )
         with self.inbox.lock:
             self.inbox.snapshot = snap

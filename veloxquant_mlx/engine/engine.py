@@ -270,6 +270,15 @@ class Engine:
             raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
         return int(self._call(lambda: self._require_core().shrink(stream, target_free), timeout))
 
+    def reset_prefix_cache(self, timeout: float = 30.0) -> int:
+        """Drop every cached page no request holds (on the engine thread); returns the blocks
+        freed. Pages running requests hold stay until they finish.
+
+        Raises:
+            EngineNotReadyError: If the engine is down.
+        """
+        return int(self._call(lambda: self._require_core().reset_prefix_cache(), timeout))
+
     def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
         """Prompt logprobs (``scoring.prompt_logprobs``), computed on the engine thread between
         steps. Blocks the caller (use a worker thread from async code).
@@ -310,6 +319,12 @@ class Engine:
                 preemptions_total=snap.preemptions,
                 kv_layout=snap.kv_layout,
                 kv_working_bytes=snap.kv_working_bytes,
+                prefix_caching=snap.prefix_caching,
+                cached_blocks=snap.cached_blocks,
+                evictable_blocks=snap.evictable_blocks,
+                prefix_queries_total=snap.prefix_queries,
+                prefix_hits_total=snap.prefix_hits,
+                prefix_evictions_total=snap.prefix_evictions,
             )
 
     def _require_core(self) -> EngineCore:

@@ -33,6 +33,12 @@ class Snapshot:
     preemptions: int = 0
     kv_layout: str = ""
     kv_working_bytes: int = 0
+    prefix_caching: bool = False
+    cached_blocks: int = 0  # blocks the prefix cache holds (shared or evictable)
+    evictable_blocks: int = 0  # of them, held by no request
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, found cached
+    prefix_evictions: int = 0  # pages evicted
 
 
 class Inbox:

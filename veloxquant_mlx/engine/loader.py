@@ -99,7 +99,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     )
     per_block = geometry.bytes_per_block(cfg.block_size)
     n_blocks = pool.stats.n_blocks
-    scheduler = Scheduler(pool, geometry.n_layers_total, cfg.max_running, cfg.max_queue)
+    scheduler = Scheduler(
+        pool, geometry.n_layers_total, cfg.max_running, cfg.max_queue, cfg.prefix_caching
+    )
     if not scheduler.could_ever_fit(cfg.min_request_tokens):
         per_request = 2 * scheduler.n_layers * scheduler.blocks_for(cfg.min_request_tokens)
         raise ValueError(
@@ -110,18 +112,19 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
     layout = kv_layout(cfg.kv_layout, geometry)
     kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks)
-    runner = Runner(model, kv, cfg.prefill_step)
+    runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
         "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV layout %s, "
-        "BLAS %s",
+        "prefix caching %s, BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
         layout,
+        "on" if cfg.prefix_caching else "off",
         blas,
     )
     device = str(mx.default_device())

@@ -80,10 +80,15 @@ class Runner:
         prefill_step: Tokens per prefill chunk.
     """
 
-    def __init__(self, model: Any, kv: DenseKV | PagedKV, prefill_step: int) -> None:
+    def __init__(
+        self, model: Any, kv: DenseKV | PagedKV, prefill_step: int, block_size: int = 16
+    ) -> None:
         self.model = model
         self.kv = kv
         self.prefill_step = prefill_step
+        self.block_size = block_size
+        # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
+        self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
@@ -99,8 +104,7 @@ class Runner:
         """
         state: RowState = seq.state
         if state.caches is None:
-            state.caches = [KVCache() for _ in range(self._n_layers)]
-            seq.n_kv = 0
+            state.caches = self._start_caches(seq)
         tokens = seq.tokens
         n = min(len(tokens) - seq.n_kv, max(1, min(budget, self.prefill_step)))
         chunk = mx.array([tokens[seq.n_kv : seq.n_kv + n]])
@@ -116,6 +120,16 @@ class Runner:
         state.next_input = sampled.tokens
         mx.async_eval(sampled.tokens)
         return n, sampled
+
+    def _start_caches(self, seq: Seq) -> list[KVCache]:
+        """Fresh prefill caches, holding the KV of the cached pages ``seq`` starts with (its
+        ``n_kv`` tokens, set at admission)."""
+        caches = [KVCache() for _ in range(self._n_layers)]
+        if seq.n_kv:
+            layers = self.kv.read_pages(seq.pages.held[: seq.n_kv // self.block_size])
+            for cache, (k, v) in zip(caches, layers, strict=True):
+                cache.keys, cache.values, cache.offset = k, v, k.shape[2]
+        return caches
 
     def prefill_together(self, seqs: list[Seq]) -> Sampled:
         """Prefill several whole prompts (each at most one chunk) in one left-padded forward,
@@ -152,10 +166,12 @@ class Runner:
         except ValueError:
             slot = len(self.rows)
             self.rows.append(None)
-        self.kv.put_row(slot, layers, seq.table)
+        self.kv.put_row(slot, layers, seq.table, seq.pages.n_known * self.block_size)
         state.caches = None
         state.joined = True
         self.rows[slot] = seq
+        if self.on_join is not None:
+            self.on_join(seq, layers)
 
     # ------------------------------------------------------------------ decode
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
@@ -39,6 +40,7 @@ class Seq:
     n_kv: int = 0
     preemptions: int = 0
     state: Any = None  # the runner's per-request MLX state (sampler, processors, prefill)
+    pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
     out: Any = None  # the core's per-request output state (detokenizer, stops, counts)
 
     @property
@@ -63,9 +65,15 @@ class Scheduler:
     """
 
     def __init__(
-        self, pool: BlockPoolAllocator, n_layers: int, max_running: int, max_queue: int
+        self,
+        pool: BlockPoolAllocator,
+        n_layers: int,
+        max_running: int,
+        max_queue: int,
+        prefix_caching: bool = False,
     ) -> None:
         self.pool = pool
+        self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
         self.n_layers = n_layers
         self.block_size = pool.config.block_size
         self.max_running = max_running
@@ -121,6 +129,7 @@ class Scheduler:
         if need <= 0:
             return True
         per_call = need * self.n_layers
+        self._evict_for(per_call)
         taken: list[list[Any]] = []
         try:
             for stream in STREAMS:
@@ -138,14 +147,54 @@ class Scheduler:
             self.max_block_id = max(self.max_block_id, max(ids))
         return True
 
+    def _per_stream(self, per_call: int) -> int:
+        """Blocks one ``allocate`` per stream of ``per_call`` blocks takes from each free list."""
+        return per_call if self.pool.config.separate_kv else 2 * per_call
+
+    def _free_now(self) -> int:
+        """Free blocks per free list, counting the cached ones nobody holds (evictable)."""
+        free = min(self.pool.n_free(s) for s in self._streams())
+        if self.cache is not None:
+            per_page = self._per_stream(self.n_layers)
+            free += self.cache.n_evictable() * per_page
+        return free
+
+    def _evict_for(self, per_call: int) -> None:
+        """Evict cached pages until the free lists hold ``per_call`` blocks per stream."""
+        if self.cache is None:
+            return
+        need = self._per_stream(per_call)
+        short = need - min(self.pool.n_free(s) for s in self._streams())
+        if short > 0:
+            per_page = self._per_stream(self.n_layers)
+            self.cache.evict(-(-short // per_page))
+
     def release(self, seq: Seq) -> None:
-        """Give back every block of ``seq`` (finish, cancel, failure or preemption)."""
+        """Give back every block of ``seq`` (finish, cancel, failure or preemption); the cached
+        pages it held stay cached (evictable once nobody holds them)."""
+        if self.cache is not None:
+            self.cache.release(seq.pages.held)
+        n_cached = seq.pages.n_cached
+        seq.pages = SeqPages(n_cached=n_cached)
         self.pool.free_all(seq.request_id)
         seq.table = []
         seq.n_kv = 0
 
+    def register(self, seq: Seq, n_tokens: int, kv_of: Any) -> None:
+        """Cache ``seq``'s full pages among its first ``n_tokens`` tokens (their KV written);
+        ``kv_of(index)`` gives a page's KV payload (None where the layout keeps it)."""
+        if self.cache is not None and seq.table:
+            self.cache.register(seq.pages, seq.tokens, n_tokens, seq.table, seq.request_id, kv_of)
+
+    def reset_cache(self) -> int:
+        """Drop every cached page no request holds; returns the blocks freed."""
+        return 0 if self.cache is None else self.cache.reset()
+
     def blocks_in_use(self) -> int:
-        return sum(2 * self.n_layers * s.n_blocks for s in self.running)
+        """Blocks running requests hold (a shared page counted once); the pool's own count also
+        has the cached pages nobody holds (evictable: free for any allocation)."""
+        evictable = 0 if self.cache is None else self.cache.n_evictable() * 2 * self.n_layers
+        return self.pool.stats.blocks_in_use() - evictable
 
     # ------------------------------------------------------------------ queue
 
@@ -165,17 +214,49 @@ class Scheduler:
             if not self.could_ever_fit(n):
                 unservable.append(self.waiting.popleft())
                 continue
-            reserve = self.n_layers * len(self.running) * (1 if self.pool.config.separate_kv else 2)
-            free = min(self.pool.n_free(s) for s in self._streams())
-            need = self.n_layers * self.blocks_for(n) * (1 if self.pool.config.separate_kv else 2)
+            hits = self._hits(head)
+            reserve = self._per_stream(self.n_layers * len(self.running))
+            free = self._free_now() - self._per_stream(
+                self.n_layers * sum(1 for p in hits if p.refs == 0)
+            )
+            need = self._per_stream(self.n_layers * (self.blocks_for(n) - len(hits)))
             if self.running and free - need < reserve:
                 break  # FIFO: nobody overtakes the head
-            if not self.grow(head, n):
+            if not self._take(head, hits, n):
                 break
             self.waiting.popleft()
             self.running.append(head)
             admitted.append(head)
         return admitted, unservable
+
+    def _hits(self, seq: Seq) -> list[Any]:
+        """The cached pages ``seq``'s tokens start with, leaving at least its last token to
+        prefill (its logits sample the next one)."""
+        if self.cache is None:
+            return []
+        return self.cache.match(seq.tokens, len(seq.tokens) - 1)
+
+    def _take(self, seq: Seq, hits: list[Any], n_tokens: int) -> bool:
+        """Give ``seq`` its cached pages and blocks for the rest of ``n_tokens``; False (and
+        nothing held) if the pool cannot."""
+        if not hits:
+            if self.cache is not None and seq.preemptions == 0:
+                self.cache.count_lookup(len(seq.tokens), 0)
+            return self.grow(seq, n_tokens)
+        assert self.cache is not None
+        self.cache.acquire(hits)
+        seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
+        if not self.grow(seq, n_tokens):
+            self.cache.release(hits)
+            seq.table = []
+            return False
+        n_hit = len(hits) * self.block_size
+        seq.pages = SeqPages(list(hits), len(hits), hits[-1].serial, seq.pages.n_cached)
+        if seq.preemptions == 0:  # what the client's prompt found: usage.cached_tokens
+            seq.pages.n_cached = n_hit
+            self.cache.count_lookup(len(seq.tokens), n_hit)
+        seq.n_kv = n_hit  # the runner's prefill starts here, from the pages' KV
+        return True
 
     def victim(self) -> Seq:
         """The request to preempt when the pool runs out: the newest running one."""

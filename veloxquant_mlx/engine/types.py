@@ -154,6 +154,7 @@ class Usage:
     completion_tokens: int
     peak_kv_blocks: int
     peak_kv_bytes: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -189,8 +190,14 @@ class EngineStats:
     requests_finished_total: dict[str, int]
     rejections_total: dict[str, int]
     failures_total: dict[str, int]  # requests ended with an error, by FinishEvent.error_code
-    blocks_in_use: int  # K + V blocks the running requests hold
+    blocks_in_use: int  # K + V blocks the running requests hold (shared pages once)
     kv_bytes_per_block: int
     preemptions_total: int = 0
     kv_layout: str = ""  # "paged" or "dense" (cache.paged)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
+    prefix_caching: bool = False
+    cached_blocks: int = 0  # blocks the prefix cache holds (some may be held by requests too)
+    evictable_blocks: int = 0  # cached blocks no request holds: free for any allocation
+    prefix_queries_total: int = 0  # prompt tokens looked up
+    prefix_hits_total: int = 0  # of them, found cached
+    prefix_evictions_total: int = 0  # cached pages evicted (pressure, shrink, reset)

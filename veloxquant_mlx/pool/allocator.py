@@ -371,6 +371,40 @@ class BlockPoolAllocator:
             stats._blocks_in_use -= len(blocks)
             stats.n_frees += 1
 
+    def transfer(self, blocks: list[Block], *, owner: int, new_owner: int) -> int:
+        """Hand blocks checked out to ``owner`` over to ``new_owner``, in place (same ids, same
+        contents): how a request's full KV blocks become a prefix cache's. Blocks not held by
+        ``owner`` are skipped. Nothing is allocated or freed, so ``blocks_in_use`` is unchanged.
+        An owner left with no block stops being active. O(blocks + owner's blocks), thread-safe.
+
+        Returns:
+            How many blocks changed hands.
+
+        Raises:
+            ValueError: If an item is not a live block of this pool, or ``new_owner`` is None.
+        """
+        check_owner(new_owner)
+        block_size = self._block_size
+        with self._lock:
+            moving = {}
+            for block in blocks:
+                if self._own_block_locked(block).owner == owner:
+                    moving[block.block_id] = block
+            if not moving or owner == new_owner:
+                return 0
+            record = self._owners[owner]
+            record.blocks = [b for b in record.blocks if b.block_id not in moving]
+            target = self._owners.setdefault(new_owner, Owned())
+            for block in moving.values():
+                block.owner = new_owner
+                target.blocks.append(block)
+                if 0 < block.n_used < block_size:
+                    record.n_fragmented -= 1
+                    target.n_fragmented += 1
+            if not record.blocks:
+                del self._owners[owner]
+            return len(moving)
+
     # ------------------------------------------------------------------ reads
 
     def blocks_for(self, owner: int) -> list[Block]:

@@ -37,7 +37,7 @@ def usage_json(finish: FinishEvent) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},  # no prefix cache yet
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": 0},
         "peak_kv_blocks": u.peak_kv_blocks,
         "peak_kv_bytes": u.peak_kv_bytes,
@@ -54,6 +54,7 @@ def usage_json_many(finishes: list[FinishEvent], n: int) -> dict[str, Any]:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         peak_kv_blocks=sum(f.usage.peak_kv_blocks for f in finishes),
+        prompt_tokens_details={"cached_tokens": sum(f.usage.cached_tokens for f in finishes[::n])},
         peak_kv_bytes=sum(f.usage.peak_kv_bytes for f in finishes),
     )
     return out

@@ -105,6 +105,32 @@ class EngineCollector(Collector):
                 "Requests preempted (blocks freed, recomputed later) when the pool ran out.",
                 stats.preemptions_total,
             )
+            yield _gauge(
+                "veloxquant_prefix_cache_blocks",
+                "Blocks the prefix cache holds (shared by requests, or evictable).",
+                stats.cached_blocks,
+            )
+            yield _gauge(
+                "veloxquant_prefix_cache_evictable_blocks",
+                "Cached blocks no request holds: kept for reuse, evicted (LRU) before any "
+                "allocation would fail. Counted in the pool's blocks_in_use.",
+                stats.evictable_blocks,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache (once per request).",
+                stats.prefix_queries_total,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_hits_total",
+                "Prompt tokens whose KV came from the prefix cache.",
+                stats.prefix_hits_total,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_evictions_total",
+                "Cached pages (a block per layer for K and V) evicted.",
+                stats.prefix_evictions_total,
+            )
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

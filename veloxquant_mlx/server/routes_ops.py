@@ -56,14 +56,28 @@ def _pool_view(request: Request) -> dict[str, Any]:
     pool = st.engine.pool
     if pool is None:
         raise APIError(503, "the engine is not ready", code="not_ready")
+    stats = st.engine.stats()
     return {
         "block_size": pool.config.block_size,
         "separate_kv": pool.config.separate_kv,
         "kv_bytes_per_block": st.engine.kv_bytes_per_block,
-        "blocks_in_use_by_running": st.engine.stats().blocks_in_use,
+        "blocks_in_use_by_running": stats.blocks_in_use,
+        "prefix_cache": _prefix_view(stats),
         "stats": as_dict(pool.stats),
         "streams": {s: {"free": pool.n_free(s), "total": pool.n_total(s)} for s in pool.streams},
         "owners": {str(owner): n for owner, n in pool.owner_block_counts().items()},
+    }
+
+
+def _prefix_view(stats: Any) -> dict[str, Any]:
+    """The pool's blocks told apart: held by requests, cached and evictable, free."""
+    return {
+        "enabled": stats.prefix_caching,
+        "cached_blocks": stats.cached_blocks,
+        "evictable_blocks": stats.evictable_blocks,
+        "queries_tokens": stats.prefix_queries_total,
+        "hits_tokens": stats.prefix_hits_total,
+        "evicted_pages": stats.prefix_evictions_total,
     }
 
 
@@ -81,3 +95,14 @@ async def pool_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
     except EngineError as exc:
         raise from_engine(exc) from None
     return {"retired": retired, **_pool_view(request)}
+
+
+@admin.post("/prefix-cache/reset")
+async def prefix_cache_reset(request: Request) -> dict[str, Any]:
+    """Drop every cached block no request holds (those running requests hold stay)."""
+    st = state(request)
+    try:
+        freed = await asyncio.to_thread(st.engine.reset_prefix_cache)
+    except EngineError as exc:
+        raise from_engine(exc) from None
+    return {"freed_blocks": freed, **_pool_view(request)}

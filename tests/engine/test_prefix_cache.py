@@ -1,0 +1,148 @@
+"""Automatic prefix caching on the real engine: a hit changes no token, is reported in
+``usage.cached_tokens``, hits through a previous answer, yields to pressure (evicted before
+anyone is refused), and shrink and reset never take a block a request holds."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from tests.engine.conftest import wait_idle
+from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.prefix_cache import CACHE_OWNER
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+BS = 16  # EngineConfig's default block size
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int = 12) -> list[tuple]:
+    """Submit all at once; (token ids, cached tokens, finish reason, logprobs) of each."""
+    handles = [
+        engine.submit(GenerationRequest(tuple(p), max_tokens, GREEDY, logprobs=True))
+        for p in prompts
+    ]
+    out = []
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent)
+        out.append(
+            (
+                [t.token_id for t in tokens],
+                finish.usage.cached_tokens,
+                finish.finish_reason,
+                [t.logprob for t in tokens],
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_hits_give_the_same_greedy_tokens_alone_and_batched(make_engine, layout):
+    rng = random.Random(5)
+    shared = words(rng, 3 * BS + 5)  # the shared part ends mid-block
+    first = [shared + words(rng, 7)]
+    # then alone (one hit), then batched with a miss and a hit that is the whole prompt but one
+    later = [[shared + words(rng, 9)], [shared + words(rng, 4), words(rng, 30), shared[:33]]]
+    cached = make_engine(kv_cache_mb=32, kv_layout=layout, prefill_step=32)
+    plain = make_engine(kv_cache_mb=32, kv_layout=layout, prefill_step=32, prefix_caching=False)
+    got = [run(cached, first)] + [run(cached, batch) for batch in later]
+    want = [run(plain, first)] + [run(plain, batch) for batch in later]
+    assert [[r[0] for r in b] for b in got] == [[r[0] for r in b] for b in want]
+    # the cached KV is the KV: the sampled tokens' logprobs agree too (fp32)
+    for b_got, b_want in zip(got, want, strict=True):
+        for r_got, r_want in zip(b_got, b_want, strict=True):
+            assert r_got[3] == pytest.approx(r_want[3], abs=1e-4)
+    assert [[r[1] for r in b] for b in want] == [[0], [0], [0, 0, 0]]
+    # full blocks of the shared part, and at least the last prompt token left to prefill
+    assert [[r[1] for r in b] for b in got] == [[0], [3 * BS], [3 * BS, 0, 2 * BS]]
+    stats = cached.stats()
+    assert stats.prefix_caching and stats.prefix_hits_total == 8 * BS
+    assert stats.prefix_queries_total == sum(len(p) for b in [first, *later] for p in b)
+    assert stats.cached_blocks > 0 and stats.evictable_blocks == stats.cached_blocks
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_the_next_turn_hits_through_the_previous_answer(make_engine, layout):
+    engine = make_engine(kv_cache_mb=32, kv_layout=layout)
+    rng = random.Random(8)
+    prompt = words(rng, 20)
+    [(answer, cached, reason, _)] = run(engine, [prompt], max_tokens=40)
+    assert (cached, reason) == (0, "length") and len(answer) == 40
+    turn2 = prompt + answer + words(rng, 6)
+    [(tokens2, cached2, _, _)] = run(engine, [turn2])
+    # the answer's full pages were cached when it ended: 20 + 40 tokens -> 3 full blocks
+    assert cached2 == 3 * BS
+    plain = make_engine(kv_cache_mb=32, kv_layout=layout, prefix_caching=False)
+    assert run(plain, [turn2])[0][0] == tokens2
+
+
+def test_cached_blocks_are_evicted_before_anyone_is_refused(make_engine):
+    # 4 layers x 2 streams: a 64-token request holds 8 blocks per layer and stream (+1 to grow)
+    engine = make_engine(n_blocks=2 * 4 * 2 * 12, max_running=1)
+    rng = random.Random(2)
+    for _ in range(6):  # six different prompts fill the cache
+        run(engine, [words(rng, 70)], max_tokens=4)
+    before = engine.stats()
+    assert before.cached_blocks > 0 and before.evictable_blocks == before.cached_blocks
+    big = words(rng, 12 * BS - 20)  # needs nearly the whole pool
+    [(tokens, _, reason, _)] = run(engine, [big], max_tokens=8)
+    assert reason == "length" and len(tokens) == 8
+    after = engine.stats()
+    assert after.prefix_evictions_total > before.prefix_evictions_total
+    assert after.rejections_total == {} and after.preemptions_total == 0
+
+
+def test_shrink_retires_evictable_cached_blocks_never_held_ones(make_engine):
+    engine = make_engine(n_blocks=2 * 400)
+    rng = random.Random(4)
+    shared = words(rng, 4 * BS + 3)
+    run(engine, [shared], max_tokens=4)
+    cached = engine.stats().cached_blocks
+    assert cached > 0
+    # a request holding the shared pages decodes while the pool is shrunk to nothing free
+    h = engine.submit(GenerationRequest(tuple(shared + words(rng, 5)), 40, GREEDY))
+    first = next(e for e in h.events(30))
+    assert not isinstance(first, FinishEvent)
+    retired = engine.shrink("kv", 0)
+    assert retired > 0
+    held = engine.stats()
+    assert held.cached_blocks == 4 * 2 * 4 and held.evictable_blocks == 0  # its 4 pages stay
+    _, finish = h.collect(60)  # it ends (length, or capacity_reduced when it must grow)
+    assert finish.finish_reason in ("length", "error")
+    wait_idle(engine)
+    pool_owners = engine.pool.owner_block_counts()
+    assert set(pool_owners) <= {CACHE_OWNER}
+
+
+def test_reset_under_load_changes_no_token(make_engine):
+    rng = random.Random(6)
+    shared = words(rng, 3 * BS)
+    prompts = [shared + words(rng, 3 + i) for i in range(12)]
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    want = [r[0] for r in run(plain, prompts)]
+    engine = make_engine(kv_cache_mb=32, max_running=4)
+    stop = threading.Event()
+    freed: list[int] = []
+
+    def resets() -> None:
+        for _ in range(400):  # bounded: ends by itself
+            if stop.is_set():
+                return
+            freed.append(engine.reset_prefix_cache())
+
+    t = threading.Thread(target=resets)
+    t.start()
+    try:
+        got = [r[0] for r in run(engine, prompts)]
+    finally:
+        stop.set()
+        t.join(30)
+    assert got == want
+    assert len(freed) > 0
