@@ -163,6 +163,11 @@ def main() -> None:
         "--shared-prefix-tokens", type=int, default=0, help="a system prompt shared by all"
     )
     p.add_argument("--turns", type=int, default=1, help="conversations of this many turns (chat)")
+    p.add_argument(
+        "--prefix-off-too",
+        action="store_true",
+        help="also run each layout with --no-prefix-caching (ours-LAYOUT-nopc)",
+    )
     p.add_argument("--work", default="bench-work")
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
@@ -187,15 +192,19 @@ def main() -> None:
             results["library"][c] = library(path, c, max(a.per_level, 2 * c), a.prompt_tokens,
                                             max_tokens)  # fmt: skip
             print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
-    for layout in a.layouts.split(",") if a.layouts else []:
+    extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
+    layouts = a.layouts.split(",") if a.layouts else []
+    variants = [(layout, extra) for layout in layouts for extra in extras]
+    for layout, extra in variants:
+        name = f"ours-{layout}" + ("-nopc" if extra else "")
         port = free_port()
         cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port",
                str(port), "--kv-layout", layout, "--blas", a.blas, "--max-running", "256",
                "--max-queue", "1024", "--kv-cache-mb", a.kv_cache_mb,
-               "--log-level", "warning"]  # fmt: skip
-        print(f"ours ({layout})", flush=True)
-        results[f"ours-{layout}"] = serve_and_load(
-            cmd, port, None, levels, lt, a.per_level, out / f"ours-{layout}.log"
+               "--log-level", "warning", *extra]  # fmt: skip
+        print(name, flush=True)
+        results[name] = serve_and_load(
+            cmd, port, None, levels, lt, a.per_level, out / f"{name}.log"
         )
     if "mlx_lm" in peers:
         port = free_port()

@@ -69,18 +69,23 @@ def test_hits_give_the_same_greedy_tokens_alone_and_batched(make_engine, layout)
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_the_next_turn_hits_through_the_previous_answer(make_engine, layout):
+def test_the_next_turn_hits_through_the_previous_turns(make_engine, layout):
     engine = make_engine(kv_cache_mb=32, kv_layout=layout)
     rng = random.Random(8)
     prompt = words(rng, 20)
     [(answer, cached, reason, _)] = run(engine, [prompt], max_tokens=40)
     assert (cached, reason) == (0, "length") and len(answer) == 40
     turn2 = prompt + answer + words(rng, 6)
-    [(tokens2, cached2, _, _)] = run(engine, [turn2])
-    # the answer's full pages were cached when it ended: 20 + 40 tokens -> 3 full blocks
-    assert cached2 == 3 * BS
+    [(answer2, cached2, _, _)] = run(engine, [turn2], max_tokens=12)
+    # paged: the answer's full pages were cached when it ended (20 + 40 tokens -> 3 blocks);
+    # dense: only prompts are cached (1 block of the first prompt)
+    assert cached2 == (3 if layout == "paged" else 1) * BS
+    turn3 = turn2 + answer2 + words(rng, 3)
+    [(tokens3, cached3, _, _)] = run(engine, [turn3])
+    # either way the third turn hits through the second prompt, which holds the first answer
+    assert cached3 >= len(turn2) // BS * BS
     plain = make_engine(kv_cache_mb=32, kv_layout=layout, prefix_caching=False)
-    assert run(plain, [turn2])[0][0] == tokens2
+    assert run(plain, [turn3])[0][0] == tokens3
 
 
 def test_cached_blocks_are_evicted_before_anyone_is_refused(make_engine):

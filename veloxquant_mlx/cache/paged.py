@@ -88,8 +88,9 @@ class DenseKV:
 
     kind = "dense"
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, block_size: int = 16) -> None:
         self.n_layers = n_layers
+        self.block_size = block_size
         self.k: list[mx.array] = []
         self.v: list[mx.array] = []
         self.rows = 0  # allocated rows
@@ -148,33 +149,31 @@ class DenseKV:
         w = batch.width
         return k[:rows, :, :w], v[:rows, :, :w]
 
-    keeps_pages = False  # cached pages need their own copy of the KV (``page_kv``)
-
-    def page_kv(
-        self, row: int, index: int, block_size: int, made: list[mx.array]
-    ) -> list[tuple[mx.array, mx.array]]:
-        """A copy of row ``row``'s page ``index`` (every layer's K and V, ``[1, H, bs, D]``),
-        for the prefix cache; the copies are appended to ``made`` for evaluation."""
-        a = index * block_size
-        out = []
-        for k, v in zip(self.k, self.v, strict=True):
-            pair = (
-                mx.contiguous(k[row : row + 1, :, a : a + block_size]),
-                mx.contiguous(v[row : row + 1, :, a : a + block_size]),
-            )
-            made.extend(pair)
-            out.append(pair)
-        return out
+    keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
-        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each."""
-        return [
-            (
-                mx.concatenate([p.kv[layer][0] for p in pages], axis=2),
-                mx.concatenate([p.kv[layer][1] for p in pages], axis=2),
-            )
-            for layer in range(self.n_layers)
-        ]
+        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each. A
+        page's payload is ``(span, j)``: page ``j`` of a span copied at registration (one
+        array per layer and stream); runs of consecutive pages of one span are one slice."""
+        runs: list[tuple[Any, int, int]] = []  # (span, first page, pages)
+        for page in pages:
+            span, j = page.kv
+            last = runs[-1] if runs else None
+            if last is not None and last[0] is span and last[1] + last[2] == j:
+                runs[-1] = (span, last[1], last[2] + 1)
+            else:
+                runs.append((span, j, 1))
+        out = []
+        for layer in range(self.n_layers):
+            pair = []
+            for s in (0, 1):
+                parts = []
+                for span, j, n in runs:
+                    bs = self.block_size
+                    parts.append(span[layer][s][:, :, j * bs : (j + n) * bs])
+                pair.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+            out.append((pair[0], pair[1]))
+        return out
 
     def clear(self) -> None:
         """Drop the working set (the batch is empty): its memory goes back to MLX."""
@@ -330,7 +329,7 @@ class PagedKV:
 
 def make_kv(kind: str, n_layers: int, block_size: int, n_ids: int) -> DenseKV | PagedKV:
     if kind == "dense":
-        return DenseKV(n_layers)
+        return DenseKV(n_layers, block_size)
     if kind == "paged":
         return PagedKV(n_layers, block_size, n_ids)
     raise ValueError(f"kv layout must be 'dense' or 'paged', got {kind!r}")

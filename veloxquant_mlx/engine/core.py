@@ -229,43 +229,42 @@ class EngineCore:
     # ------------------------------------------------------------------ prefix cache
 
     def _cache_prompt(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> None:
-        """A prefilled row joined: cache its prompt's full pages (from the prefill's KV)."""
+        """A prefilled row joined: cache its prompt's full pages. The dense layout keeps one
+        copy per layer and stream of the new pages' span (pages point into it: a few copies
+        per request, not one per page and layer)."""
         if self.scheduler.cache is None:
             return
         bs = self.scheduler.block_size
-        made: list[mx.array] = []
+        region: list[Any] = []  # [(first page index, [(k, v) per layer])]
 
         def kv_of(i: int) -> Any:
             if self.runner.kv.keeps_pages:
                 return None
-            a = i * bs
-            page = [
-                (mx.contiguous(k[:, :, a : a + bs]), mx.contiguous(v[:, :, a : a + bs]))
-                for k, v in layers
-            ]
-            made.extend(x for pair in page for x in pair)
-            return page
+            if not region:
+                end = seq.n_kv // bs * bs
+                span = [
+                    (mx.contiguous(k[:, :, i * bs : end]), mx.contiguous(v[:, :, i * bs : end]))
+                    for k, v in layers
+                ]
+                mx.async_eval([x for pair in span for x in pair])
+                region.append((i, span))
+            first, span = region[0]
+            return span, i - first
 
         self.scheduler.register(seq, seq.n_kv, kv_of)
-        if made:
-            mx.async_eval(made)
 
     def _cache_row(self, seq: Seq) -> None:
-        """A row leaves (finish or preemption): cache the full pages it generated."""
+        """A row leaves (finish or preemption): cache the full pages it generated, where the
+        layout keeps them in the pool's blocks (paged). The dense layout does not: copying
+        pages out of its working set stops MLX from updating that set in place, which cost
+        37% of the throughput at 128 clients on the H200 (BENCHMARKS.md, "Prefix caching");
+        there the next turn hits through the previous prompt, and prefills the answer."""
         state: RowState | None = seq.state
+        kv = self.runner.kv
         if self.scheduler.cache is None or state is None or not state.joined:
             return
-        kv = self.runner.kv
-        slot = self.runner.rows.index(seq)
-        bs = self.scheduler.block_size
-        made: list[mx.array] = []
-
-        def kv_of(i: int) -> Any:
-            return None if kv.keeps_pages else kv.page_kv(slot, i, bs, made)  # type: ignore[union-attr]
-
-        self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), kv_of)
-        if made:
-            mx.async_eval(made)
+        if kv.keeps_pages:
+            self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""
