@@ -62,8 +62,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_model(target: Path, shape: str, dtype: str) -> Path:
-    """A random-weight Llama of ``shape`` with the shipped tokenizer (reused if present)."""
+def write_model(target: Path, shape: str, dtype: str, tokenizer_vocab: bool = False) -> Path:
+    """A random-weight Llama of ``shape`` with the shipped tokenizer (reused if present).
+    ``tokenizer_vocab``: the tokenizer's vocabulary instead of the shape's, so that sampled ids
+    decode to text (time to first *text* then means time to first token)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -74,6 +76,8 @@ def write_model(target: Path, shape: str, dtype: str) -> Path:
         return target
     target.mkdir(parents=True, exist_ok=True)
     config = {**CONFIG, **SHAPES[shape], "torch_dtype": dtype}
+    if tokenizer_vocab:
+        config["vocab_size"] = CONFIG["vocab_size"]
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
@@ -164,6 +168,11 @@ def main() -> None:
     )
     p.add_argument("--turns", type=int, default=1, help="conversations of this many turns (chat)")
     p.add_argument(
+        "--tokenizer-vocab",
+        action="store_true",
+        help="the shipped tokenizer's vocabulary instead of the shape's (generated text is real)",
+    )
+    p.add_argument(
         "--prefix-off-too",
         action="store_true",
         help="also run each layout with --no-prefix-caching (ours-LAYOUT-nopc)",
@@ -176,7 +185,8 @@ def main() -> None:
     max_tokens = (int(lo), int(hi or lo))
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = write_model(work / f"model-{a.shape}", a.shape, a.dtype)
+    suffix = "-tokvocab" if a.tokenizer_vocab else ""
+    path = write_model(work / f"model-{a.shape}{suffix}", a.shape, a.dtype, a.tokenizer_vocab)
     words = words_for(path, a.prompt_tokens)
     shared = words_for(path, a.shared_prefix_tokens) if a.shared_prefix_tokens else 0
     lt = parse(["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,
