@@ -173,6 +173,12 @@ def main() -> None:
         help="the shipped tokenizer's vocabulary instead of the shape's (generated text is real)",
     )
     p.add_argument(
+        "--variant",
+        default="",
+        help="extra server flags for a second run of each layout (ours-LAYOUT-b), e.g. "
+        "'--gil-switch-interval-ms 1'",
+    )
+    p.add_argument(
         "--prefix-off-too",
         action="store_true",
         help="also run each layout with --no-prefix-caching (ours-LAYOUT-nopc)",
@@ -203,10 +209,14 @@ def main() -> None:
                                             max_tokens)  # fmt: skip
             print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
     extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
+    if a.variant:
+        extras.append(a.variant.split())
     layouts = a.layouts.split(",") if a.layouts else []
     variants = [(layout, extra) for layout in layouts for extra in extras]
     for layout, extra in variants:
-        name = f"ours-{layout}" + ("-nopc" if extra else "")
+        name = f"ours-{layout}" + (
+            "" if not extra else "-nopc" if extra[0].startswith("--no-p") else "-b"
+        )
         port = free_port()
         cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port",
                str(port), "--kv-layout", layout, "--blas", a.blas, "--max-running", "256",

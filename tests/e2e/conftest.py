@@ -104,7 +104,11 @@ def stop_server(server: Server, timeout: float = 30.0) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
     os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
-    srv = start_server(tmp_path_factory.mktemp("e2e"), "--n-blocks", "6000", "--max-queue", "64")
+    srv = start_server(
+        tmp_path_factory.mktemp("e2e"),
+        "--n-blocks", "6000", "--max-queue", "64",
+        "--gil-switch-interval-ms", "1",  # the opt-in GIL setting serves like the default
+    )  # fmt: skip
     yield srv
     assert stop_server(srv) == 0, srv.log()
 

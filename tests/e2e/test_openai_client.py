@@ -220,6 +220,13 @@ def test_invalid_settings_fail_at_start_with_one_line(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "port" in lines[0] and "max_running" in lines[0]
     r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--gil-switch-interval-ms", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "gil_switch_interval_ms" in r.stderr
+    r = subprocess.run(
         [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(tmp_path / "nope")],
         capture_output=True,
         text=True,

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    gil_switch_interval_ms: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="How often Python hands the GIL between the event loop and the engine "
+        "thread (sys.setswitchinterval); unset: Python's 5 ms.",
+    )
     blas: str = Field("auto", description="auto | off | PATH: optimized BLAS for MLX on Linux.")
     blas_gemv: bool = Field(
         False,

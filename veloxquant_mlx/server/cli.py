@@ -58,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if generated:
         print(f"veloxquant-serve: admin key for this run: {settings.admin_key}", file=sys.stderr)
 
+    if settings.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+
     import uvicorn
 
     from veloxquant_mlx.engine.engine import Engine
