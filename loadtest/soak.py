@@ -254,7 +254,7 @@ def soak(args: argparse.Namespace) -> Report:
     rep = Report(minutes=args.minutes)
     port, key = free_port(), secrets.token_urlsafe(16)
     cmd = [
-        sys.executable, "-m", "veloxquant_mlx.server", "--port", str(port), "--admin-key", key,
+        sys.executable, "-m", "veloxquant_mlx.server", "--port", str(port), f"--admin-key={key}",
         "--n-blocks", str(args.n_blocks), "--grow-on-exhaustion",
         "--max-blocks", str(args.n_blocks), "--max-queue", "64", "--max-running", "8",
         *(["--model", args.model] if args.model else []),
