@@ -260,10 +260,9 @@ class EngineCore:
         37% of the throughput at 128 clients on the H200 (BENCHMARKS.md, "Prefix caching");
         there the next turn hits through the previous prompt, and prefills the answer."""
         state: RowState | None = seq.state
-        kv = self.runner.kv
         if self.scheduler.cache is None or state is None or not state.joined:
             return
-        if kv.keeps_pages:
+        if self.runner.kv.keeps_pages:
             self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     def reset_prefix_cache(self) -> int:

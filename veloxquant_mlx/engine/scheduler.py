@@ -151,9 +151,12 @@ class Scheduler:
         """Blocks one ``allocate`` per stream of ``per_call`` blocks takes from each free list."""
         return per_call if self.pool.config.separate_kv else 2 * per_call
 
+    def _free_lists_min(self) -> int:
+        return min(self.pool.n_free(s) for s in self._streams())
+
     def _free_now(self) -> int:
         """Free blocks per free list, counting the cached ones nobody holds (evictable)."""
-        free = min(self.pool.n_free(s) for s in self._streams())
+        free = self._free_lists_min()
         if self.cache is not None:
             per_page = self._per_stream(self.n_layers)
             free += self.cache.n_evictable() * per_page
@@ -164,7 +167,7 @@ class Scheduler:
         if self.cache is None:
             return
         need = self._per_stream(per_call)
-        short = need - min(self.pool.n_free(s) for s in self._streams())
+        short = need - self._free_lists_min()
         if short > 0:
             per_page = self._per_stream(self.n_layers)
             self.cache.evict(-(-short // per_page))
@@ -193,7 +196,8 @@ class Scheduler:
     def blocks_in_use(self) -> int:
         """Blocks running requests hold (a shared page counted once); the pool's own count also
         has the cached pages nobody holds (evictable: free for any allocation)."""
-        evictable = 0 if self.cache is None else self.cache.n_evictable() * 2 * self.n_layers
+        cache = self.cache
+        evictable = 0 if cache is None else cache.n_evictable() * cache.blocks_per_page
         return self.pool.stats.blocks_in_use() - evictable
 
     # ------------------------------------------------------------------ queue
@@ -240,9 +244,11 @@ class Scheduler:
         """Give ``seq`` its cached pages and blocks for the rest of ``n_tokens``; False (and
         nothing held) if the pool cannot."""
         if not hits:
+            if not self.grow(seq, n_tokens):
+                return False  # counted when it is admitted, not at every try
             if self.cache is not None and seq.preemptions == 0:
                 self.cache.count_lookup(len(seq.tokens), 0)
-            return self.grow(seq, n_tokens)
+            return True
         assert self.cache is not None
         self.cache.acquire(hits)
         seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
