@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -18,15 +18,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a server's engine process is its child)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*/children"):
+            with suppress(OSError):
+                pids.extend(int(c) for c in task.read_text().split())
+        i += 1
+    return pids
+
+
 def proc_status_mb(pid: int, field: str) -> float:
-    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB; NaN if unreadable."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ...) in MiB, summed over ``pid`` and
+    its descendants (VmHWM: the sum of each one's peak); NaN if unreadable."""
+    total, seen = 0.0, False
+    for p in _tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(f"{field}:"):
+                    total += int(line.split()[1]) / 1024
+                    seen = True
+        except OSError:
+            pass
+    return total if seen else float("nan")
 
 
 def peak_rss_mb(pid: int) -> float:

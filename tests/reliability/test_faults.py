@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -166,7 +168,8 @@ def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, str(launcher), "--port", str(port), "--admin-key", ADMIN,
-         "--model-cache-dir", str(default_model_dir.parent), "--blas", "off"],
+         "--model-cache-dir", str(default_model_dir.parent), "--blas", "off",
+         "--no-engine-process"],  # the patch above is in this process
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -201,3 +204,59 @@ def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_
         events = sse_events(r.text)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error", r.text
         assert "injected" not in r.text
+
+
+def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_zero(
+    tmp_path, default_model_dir
+):
+    """The engine in its own process (the default), killed mid-stream: every stream ends with
+    its error event, /health turns 503, and the server exits 1 for its supervisor."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--port", str(port), "--admin-key",
+         ADMIN, "--model-cache-dir", str(default_model_dir.parent), "--blas", "off"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        engine_pid = next(
+            int(c) for c in children if "engine.process" in Path(f"/proc/{c}/cmdline").read_text()
+        )
+        results: list[httpx.Response] = []
+        started = threading.Barrier(3)
+
+        def one():
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                started.wait(30)
+                r.read()
+                results.append(r)
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # both streams have their headers: they are decoding
+        os.kill(engine_pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "engine process exited unexpectedly" in text and "exiting" in text, text
+    assert len(results) == 2
+    for r in results:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error", r.text

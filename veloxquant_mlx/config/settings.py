@@ -74,6 +74,12 @@ class Settings(BaseSettings):
         description="Share full KV blocks between requests with the same prompt prefix "
         "(cached blocks no request holds are evicted, LRU, before any allocation fails).",
     )
+    engine_process: bool = Field(
+        True,
+        description="Run the engine (model, scheduler, pool) in a process of its own, so that "
+        "HTTP and SSE work never holds the GIL a decode step waits for; off: a thread of the "
+        "server's process.",
+    )
     stream_interval_ms: float = Field(
         25.0,
         ge=0,

@@ -17,21 +17,25 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine import loader
+from veloxquant_mlx.engine.checks import static_problem
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.core import EngineCore, Parts
 from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.grammar import grammar_tokenizer
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox
 from veloxquant_mlx.engine.scheduler import Scheduler
 from veloxquant_mlx.engine.scoring import prompt_logprobs
 from veloxquant_mlx.engine.sizing import KVGeometry
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
+    EngineError,
     EngineNotReadyError,
     EngineStats,
+    EngineView,
     GenerationRequest,
     InvalidRequestError,
+    PoolView,
     QueueFullError,
     RequestTooLargeError,
 )
@@ -73,6 +77,7 @@ class Engine:
         self.blas = "unknown"
         self.device = "unknown"
         self.vocab_size = 0
+        self.model_path = ""
         self.token_bytes: list[bytes] | None = None
         self.ll_tokenizer: Any = None
         self._model: Any = None
@@ -162,6 +167,7 @@ class Engine:
         self.geometry, self.pool, self._scheduler = rt.geometry, rt.pool, rt.scheduler
         self.kv_bytes_per_block, self.blas, self.device = rt.kv_bytes_per_block, rt.blas, rt.device
         self.vocab_size = rt.vocab_size
+        self.model_path = str(rt.path)
         self.token_bytes = token_bytes_table(rt.tokenizer)
         self.ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
         parts = Parts(
@@ -177,13 +183,19 @@ class Engine:
 
     # ------------------------------------------------------------------ callers' API
 
-    def _reject(self, error: type[Exception], *args: Any) -> Exception:
-        with self._inbox.lock:
-            self._inbox.counters.rejected[error.reason] += 1  # type: ignore[attr-defined]
-        return error(*args)
+    def _reject(self, error: type[EngineError], *args: Any) -> EngineError:
+        return self._count(error(*args))
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue ``request``; returns its handle at once (events arrive as it runs).
+    def _count(self, error: EngineError) -> EngineError:
+        with self._inbox.lock:
+            self._inbox.counters.rejected[error.reason] += 1
+        return error
+
+    def submit(
+        self, request: GenerationRequest, sink: EventSink | None = None, tag: Any = None
+    ) -> RequestHandle:
+        """Queue ``request``; returns its handle at once (events arrive as it runs, in the
+        handle or, given a ``sink``, there, with ``tag`` on the handle).
 
         Raises:
             EngineNotReadyError: Still loading, draining, or the engine thread is dead.
@@ -194,23 +206,16 @@ class Engine:
             QueueFullError: The waiting queue is at ``max_queue``.
         """
         n_prompt = len(request.prompt_tokens)
-        end = n_prompt + request.max_tokens
         if not self.ready or self.draining:
             raise self._reject(
                 EngineNotReadyError,
                 "the engine is draining" if self.draining else "the engine is not running",
             )
-        self._validate(request)
+        problem = static_problem(request, self.vocab_size, self.context_window)
+        if problem is not None:
+            raise self._count(problem)
         scheduler = self._scheduler
         assert scheduler is not None
-        window = self.context_window
-        if window is not None and end > window:
-            raise self._reject(  # OpenAI's wording: clients match it
-                RequestTooLargeError,
-                f"This model's maximum context length is {window} tokens. However, you "
-                f"requested {end} tokens ({n_prompt} in the prompt, {request.max_tokens} in the "
-                "completion). Please reduce the length of the prompt or messages, or max_tokens.",
-            )
         if not scheduler.could_ever_fit(n_prompt + 1):
             if scheduler.fits_configured(n_prompt + 1):
                 raise self._reject(
@@ -230,24 +235,10 @@ class Engine:
                 ib.counters.rejected[QueueFullError.reason] += 1
                 raise QueueFullError(f"{ib.n_waiting} requests waiting; try again later")
             self._next_request_id += 1
-            handle = RequestHandle(self._next_request_id, request)
+            handle = RequestHandle(self._next_request_id, request, sink, tag)
             ib.adds.append(handle)
             ib.lock.notify_all()
         return handle
-
-    def _validate(self, request: GenerationRequest) -> None:
-        """What would fail on the engine thread, checked on the caller's: ids and top_k."""
-        vocab = self.vocab_size
-        problem: tuple[str, str] | None = None
-        sampling = request.sampling
-        if any(not 0 <= t < vocab for t in request.prompt_tokens):
-            problem = f"token ids must be in [0, {vocab})", "prompt"
-        elif sampling.top_k >= vocab:
-            problem = f"top_k must be below the vocabulary size {vocab} (0 or -1: off)", "top_k"
-        elif any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
-            problem = f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias"
-        if problem is not None:
-            raise self._reject(InvalidRequestError, *problem)
 
     def cancel(self, handle: RequestHandle) -> None:
         """Cancel a queued or running request; its blocks are freed within one step."""
@@ -326,6 +317,11 @@ class Engine:
                 prefix_hits_total=snap.prefix_hits,
                 prefix_evictions_total=snap.prefix_evictions,
             )
+
+    def view(self) -> EngineView:
+        """The counters and the pool now (``/metrics``, ``/admin/pool``). Thread-safe."""
+        stats = self.stats()
+        return EngineView(stats, None if self.pool is None else PoolView.of(self.pool))
 
     def _require_core(self) -> EngineCore:
         if self._core is None:

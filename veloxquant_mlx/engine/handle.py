@@ -7,12 +7,20 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Protocol
 
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, TokenEvent
 
 Event = TokenEvent | FinishEvent
+
+
+class EventSink(Protocol):
+    """Where the events of handles made with a sink go instead of their queues (the engine
+    process forwards them to the server's process): called on the engine thread, one call per
+    step for every such handle that has events."""
+
+    def deliver(self, items: list[tuple[RequestHandle, Sequence[Event]]]) -> None: ...
 
 
 class RequestHandle:
@@ -20,13 +28,22 @@ class RequestHandle:
 
     Made by ``Engine.submit``. When submitted from a running event loop, the engine thread
     delivers events with ``loop.call_soon_threadsafe`` and ``async for`` consumes them without
-    blocking the loop; otherwise ``events()`` blocks a thread. Owns its queue; the engine is the
+    blocking the loop; otherwise ``events()`` blocks a thread; with a ``sink``, events go to the
+    sink instead (``tag`` is the sink's name for the request). Owns its queue; the engine is the
     only producer.
     """
 
-    def __init__(self, request_id: int, request: GenerationRequest) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        request: GenerationRequest,
+        sink: EventSink | None = None,
+        tag: Any = None,
+    ) -> None:
         self.request_id = request_id
         self.request = request
+        self.sink = sink
+        self.tag = tag
         self.submitted_at = time.monotonic()
         self.finish: FinishEvent | None = None
         self._done = threading.Event()
@@ -45,7 +62,9 @@ class RequestHandle:
         """Deliver an event (engine thread). Safe after the consumer's loop has closed."""
         if isinstance(event, FinishEvent):
             self.finish = event
-        if self._loop is not None and self._async_queue is not None:
+        if self.sink is not None:
+            self.sink.deliver([(self, [event])])
+        elif self._loop is not None and self._async_queue is not None:
             # A closed loop means nobody is listening any more.
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
@@ -60,10 +79,13 @@ class RequestHandle:
         per event loop per step instead of one per token, which matters when dozens of requests
         decode together. Empty lists are skipped."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
+        by_sink: dict[int, tuple[EventSink, list[tuple[RequestHandle, Sequence[Event]]]]] = {}
         for handle, events in items:
             if not events:
                 continue
-            if handle._loop is not None and handle._async_queue is not None:
+            if handle.sink is not None:
+                by_sink.setdefault(id(handle.sink), (handle.sink, []))[1].append((handle, events))
+            elif handle._loop is not None and handle._async_queue is not None:
                 by_loop.setdefault(handle._loop, []).append((handle, events))
             else:
                 for event in events:
@@ -71,6 +93,8 @@ class RequestHandle:
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, batch)
+        for sink, sunk in by_sink.values():
+            sink.deliver(sunk)
 
     # ------------------------------------------------------------------ consumer side
 

@@ -21,6 +21,33 @@ from veloxquant_mlx.pool import BlockPoolAllocator
 log = logging.getLogger("veloxquant.engine")
 
 
+def model_path(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
+    """(directory, name) of a local model, or of the embedded default model if None (made on
+    first use).
+
+    Raises:
+        FileNotFoundError: If ``model`` is not an existing directory (nothing is downloaded).
+    """
+    if model is None:
+        return ensure_default_model(Path(cache_dir) if cache_dir else None), DEFAULT_NAME
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory (this server never downloads)"
+        )
+    return path, path.name
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The model's tokenizer alone, as ``mlx_lm.load`` makes it (no weights, no MLX arrays):
+    what the server process needs when the engine runs in a process of its own."""
+    from mlx_lm.utils import load_config
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    config = load_config(path)
+    return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+
+
 def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any, str]:
     """(model, tokenizer, name) for a local path, or the embedded default model if None.
 
@@ -33,16 +60,7 @@ def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any
     """
     import mlx_lm
 
-    if model is None:
-        path = ensure_default_model(Path(cache_dir) if cache_dir else None)
-        name = DEFAULT_NAME
-    else:
-        path = Path(model).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"model {model!r} is not a local directory (this server never downloads)"
-            )
-        name = path.name
+    path, name = model_path(model, cache_dir)
     loaded = mlx_lm.load(str(path))
     net, tokenizer = loaded[0], loaded[1]
     target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
@@ -69,6 +87,7 @@ class Runtime:
     blas: str
     device: str
     vocab_size: int
+    path: Path
 
 
 def kv_layout(requested: str, geometry: KVGeometry) -> str:
@@ -84,6 +103,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     from veloxquant_mlx.blas import blas_in_use
 
     model, tokenizer, name = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
+    path, _ = model_path(cfg.model, cfg.model_cache_dir)
     check_supported(model)
     geometry = probe_geometry(model)
     pool = BlockPoolAllocator(
@@ -141,4 +161,5 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         blas,
         device,
         vocab_size,
+        path,
     )

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from veloxquant_mlx.pool import AllocationStats, BlockPoolAllocator
+
 
 class EngineError(RuntimeError):
     """Base of the errors ``Engine.submit`` raises; ``reason`` is a stable, metric-safe label."""
@@ -201,3 +203,63 @@ class EngineStats:
     prefix_queries_total: int = 0  # prompt tokens looked up
     prefix_hits_total: int = 0  # of them, found cached
     prefix_evictions_total: int = 0  # cached pages evicted (pressure, shrink, reset)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The pool as it was at one moment: what ``/metrics`` and ``/admin/pool`` show. Plain
+    values (it crosses threads, and processes when the engine runs in its own)."""
+
+    block_size: int
+    separate_kv: bool
+    stats: AllocationStats
+    free: dict[str, int]  # free blocks per stream ("k", "v") or ("kv",)
+    total: dict[str, int]  # blocks managed per stream
+    owners: dict[str, int]  # owner id (as text) -> blocks held
+    summary: str  # repr of the allocator, for the log
+
+    @classmethod
+    def of(cls, pool: BlockPoolAllocator) -> PoolView:
+        """A view of ``pool`` through its thread-safe methods (any thread)."""
+        streams = pool.streams
+        return cls(
+            block_size=pool.config.block_size,
+            separate_kv=pool.config.separate_kv,
+            stats=pool.stats,
+            free={s: pool.n_free(s) for s in streams},
+            total={s: pool.n_total(s) for s in streams},
+            owners={str(owner): n for owner, n in pool.owner_block_counts().items()},
+            summary=repr(pool),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """Counters and pool at one moment (``Engine.view``): one read per scrape or admin call."""
+
+    stats: EngineStats
+    pool: PoolView | None
+
+
+# A refusal the engine process decided (queue full, shrunk pool, draining) reaches the server as
+# a FinishEvent whose error_code is this prefix plus the error's ``reason``.
+REJECTED = "rejected:"
+REJECTIONS: dict[str, type[EngineError]] = {
+    e.reason: e
+    for e in (
+        QueueFullError,
+        RequestTooLargeError,
+        CapacityReducedError,
+        EngineNotReadyError,
+        InvalidRequestError,
+    )
+}
+
+
+def rejection_of(finish: FinishEvent) -> EngineError | None:
+    """The refusal a FinishEvent carries (see ``REJECTED``), or None."""
+    code = finish.error_code or ""
+    if not code.startswith(REJECTED):
+        return None
+    error = REJECTIONS.get(code.removeprefix(REJECTED), EngineNotReadyError)
+    return error(finish.error or "the request was refused")

@@ -257,7 +257,7 @@ class BlockPoolAllocator:
                 block = free.pop()
                 block.owner = owner
                 block.format = format
-                record.blocks.append(block)
+                record.blocks[block.block_id] = block
                 stats.n_allocations += 1
                 stats.n_reused += 1
                 if n_tokens < block_size:
@@ -285,7 +285,7 @@ class BlockPoolAllocator:
                     block.ever_allocated = True
             else:
                 n_fresh_taken = 0
-            record.blocks.extend(taken)
+            record.blocks.update({b.block_id: b for b in taken})
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 taken[-1].n_used = last_used
@@ -306,9 +306,9 @@ class BlockPoolAllocator:
         Blocks that are already free are skipped, so freeing twice is harmless (but a stale
         reference to a block that has since been handed to another owner frees that owner's
         block: hold blocks only while you own them). An owner whose last block is freed here
-        stops being active. Cost O(len(blocks) + blocks held by their owners): each affected
-        owner's list is filtered once per call, never once per block (free_all is the O(blocks
-        freed) path for a whole request). Thread-safe; validated before anything changes.
+        stops being active. Cost O(len(blocks)): an owner's blocks are a dict by id, so each one
+        leaves it in O(1), however many the owner holds (free_all frees a whole owner at once).
+        Thread-safe; validated before anything changes.
 
         Args:
             blocks: Blocks previously returned by allocate().
@@ -332,8 +332,10 @@ class BlockPoolAllocator:
                     by_owner.setdefault(block.owner, {})[block.block_id] = block  # dedupes too
             for holder, freed in by_owner.items():
                 record = owners[holder]
-                record.blocks = [b for b in record.blocks if b.block_id not in freed]
-                if not record.blocks:
+                held = record.blocks
+                for block_id in freed:
+                    del held[block_id]
+                if not held:
                     del owners[holder]
                 for block in freed.values():
                     if 0 < block.n_used < block_size:
@@ -360,7 +362,7 @@ class BlockPoolAllocator:
             record = self._owners.pop(owner, None)
             if record is None or not record.blocks:
                 return
-            blocks = record.blocks
+            blocks = record.blocks.values()
             free = self._free
             for block in blocks:
                 block.owner = None
@@ -375,7 +377,7 @@ class BlockPoolAllocator:
         """Hand blocks checked out to ``owner`` over to ``new_owner``, in place (same ids, same
         contents): how a request's full KV blocks become a prefix cache's. Blocks not held by
         ``owner`` are skipped. Nothing is allocated or freed, so ``blocks_in_use`` is unchanged.
-        An owner left with no block stops being active. O(blocks + owner's blocks), thread-safe.
+        An owner left with no block stops being active. O(blocks), thread-safe.
 
         Returns:
             How many blocks changed hands.
@@ -393,11 +395,12 @@ class BlockPoolAllocator:
             if not moving or owner == new_owner:
                 return 0
             record = self._owners[owner]
-            record.blocks = [b for b in record.blocks if b.block_id not in moving]
+            held = record.blocks
             target = self._owners.setdefault(new_owner, Owned())
-            for block in moving.values():
+            for block_id, block in moving.items():
+                del held[block_id]
                 block.owner = new_owner
-                target.blocks.append(block)
+                target.blocks[block_id] = block
                 if 0 < block.n_used < block_size:
                     record.n_fragmented -= 1
                     target.n_fragmented += 1
@@ -414,7 +417,7 @@ class BlockPoolAllocator:
         """
         with self._lock:
             record = self._owners.get(owner)
-            return list(record.blocks) if record else []
+            return list(record.blocks.values()) if record else []
 
     def n_blocks_for(self, owner: int) -> int:
         """Number of blocks checked out to ``owner`` (0 if unknown). O(1), thread-safe."""

@@ -33,8 +33,8 @@ def check_pool_locked(pool: BlockPoolAllocator) -> None:
     n_fragmented = 0
     for owner, record in pool._owners.items():
         n_owner_fragmented = 0
-        for block in record.blocks:
-            block_id = block.block_id
+        for block_id, block in record.blocks.items():
+            assert block.block_id == block_id, f"block {block_id} filed under another id"
             assert block.owner == owner, f"block {block_id} owner mismatch"
             assert block.ever_allocated, f"owned block {block_id} not marked allocated"
             assert block_id not in owned_ids, f"block {block_id} has two owners"

@@ -6,12 +6,14 @@ from veloxquant_mlx.pool.block import Block
 
 
 class Owned:
-    """One active owner's blocks (a list in allocation order) and how many are fragmented."""
+    """One active owner's blocks (block id -> block, in allocation order: a dict, so that a
+    partial free or a transfer costs the blocks it moves, not the blocks the owner holds; the
+    prefix cache's owner holds most of a full pool) and how many are fragmented."""
 
     __slots__ = ("blocks", "n_fragmented")
 
     def __init__(self) -> None:
-        self.blocks: list[Block] = []
+        self.blocks: dict[int, Block] = {}
         self.n_fragmented = 0
 
 

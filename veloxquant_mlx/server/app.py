@@ -11,7 +11,8 @@ from fastapi import FastAPI
 
 from veloxquant_mlx import __version__
 from veloxquant_mlx.config import Settings
-from veloxquant_mlx.engine.engine import Engine, EngineConfig
+from veloxquant_mlx.engine.client import EngineClient, start_engine
+from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.server import (
     errors,
     routes_chat,
@@ -49,9 +50,25 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+def start_engine_for(settings: Settings) -> EngineClient:
+    """The engine ``settings`` ask for, loading (in its own process unless
+    ``--no-engine-process``)."""
+    return start_engine(
+        engine_config(settings),
+        own_process=settings.engine_process,
+        log_format=settings.log_format,
+        log_level=settings.log_level,
+        switch_interval=(
+            None
+            if settings.gil_switch_interval_ms is None
+            else settings.gil_switch_interval_ms / 1000
+        ),
+    )
+
+
 def create_app(
     settings: Settings,
-    engine: Engine | None = None,
+    engine: EngineClient | None = None,
     on_engine_failure: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app for ``settings``. The lifespan starts the engine (or adopts ``engine``, already
@@ -64,7 +81,7 @@ def create_app(
     if generated:
         log.warning("no admin key set; generated one for this process: %s", settings.admin_key)
 
-    async def watch(eng: Engine) -> None:
+    async def watch(eng: EngineClient) -> None:
         while eng.alive or eng.draining:
             if not eng.alive:
                 return  # drained and stopped on purpose
@@ -76,12 +93,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own = engine is None
-        eng = Engine(engine_config(settings)).start() if own else engine
+        eng = start_engine_for(settings) if own else engine
         assert eng is not None
         await asyncio.to_thread(eng.wait_ready)
         name = settings.served_model_name or eng.model_name
         app.state.vq = AppState(settings, eng, Metrics(eng, name), name)
-        log.info("serving %s on the block pool (%s)", name, eng.pool)
+        pool = (await asyncio.to_thread(eng.view)).pool
+        log.info("serving %s on the block pool (%s)", name, pool.summary if pool else None)
         watcher = asyncio.create_task(watch(eng))
         try:
             yield

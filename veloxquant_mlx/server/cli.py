@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -12,30 +11,7 @@ from typing import Any
 
 from veloxquant_mlx.blas import ensure_blas
 from veloxquant_mlx.config.settings import SettingsError, load_settings
-
-
-class _JSONFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(fmt: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JSONFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+from veloxquant_mlx.logs import setup_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,8 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from veloxquant_mlx.engine.engine import Engine
-    from veloxquant_mlx.server.app import create_app, engine_config
+    from veloxquant_mlx.server.app import create_app, start_engine_for
     from veloxquant_mlx.server.edge import EdgeLimits, protocol_class
 
     exit_code = 0
@@ -76,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # The engine is loaded before the port is bound (uvicorn binds after the app's startup in
     # any case): a model or pool that cannot serve stops here with one line and exit code 3.
-    engine = Engine(engine_config(settings)).start()
+    engine = start_engine_for(settings)
     try:
         engine.wait_ready()
     except Exception as exc:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from veloxquant_mlx.config import Settings
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.client import EngineClient
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.metrics import Metrics
 
@@ -19,7 +19,7 @@ class AppState:
     """What the lifespan builds: read by routes, owned by the app."""
 
     settings: Settings
-    engine: Engine
+    engine: EngineClient
     metrics: Metrics
     model_name: str
     draining: bool = False

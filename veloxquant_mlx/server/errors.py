@@ -20,6 +20,7 @@ from veloxquant_mlx.engine.types import (
     InvalidRequestError,
     QueueFullError,
     RequestTooLargeError,
+    rejection_of,
 )
 
 log = logging.getLogger("veloxquant.server")
@@ -97,6 +98,9 @@ def from_finish(finish: FinishEvent) -> APIError:
     the pool was shrunk, the server is draining, the engine failed. 500 when this request's
     own sampler or text failed (a bug the input reached; the engine kept serving the rest).
     """
+    refused = rejection_of(finish)  # decided by an engine in its own process
+    if refused is not None:
+        return from_engine(refused)
     message = finish.error or "the request was cancelled"
     if finish.error_code == REQUEST_FAILED:
         return APIError(500, message, code=REQUEST_FAILED)

@@ -13,9 +13,9 @@ from typing import Any
 
 from fastapi import Request
 
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.client import EngineClient
 from veloxquant_mlx.engine.handle import Event, RequestHandle
-from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent, rejection_of
 from veloxquant_mlx.server.errors import error_body, from_finish
 from veloxquant_mlx.server.metrics import Metrics
 
@@ -64,7 +64,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-async def _watch_disconnect(request: Request, engine: Engine, handle: RequestHandle) -> None:
+async def _watch_disconnect(request: Request, engine: EngineClient, handle: RequestHandle) -> None:
     while not handle.done:
         if await request.is_disconnected():
             engine.cancel(handle)
@@ -73,7 +73,7 @@ async def _watch_disconnect(request: Request, engine: Engine, handle: RequestHan
 
 
 async def collect(
-    request: Request, engine: Engine, handle: RequestHandle, metrics: Metrics, arrived: float
+    request: Request, engine: EngineClient, handle: RequestHandle, metrics: Metrics, arrived: float
 ) -> Outcome:
     """Wait for the whole result; a client that disconnects cancels the request."""
     outcome = Outcome()
@@ -91,14 +91,15 @@ async def collect(
         if not handle.done:  # this coroutine was cancelled: the client is gone
             engine.cancel(handle)
     assert outcome.finish is not None
-    metrics.observe(arrived, [t.time for t in outcome.tokens], outcome.finish.time)
+    if rejection_of(outcome.finish) is None:  # a refusal is counted as one, not as latency
+        metrics.observe(arrived, [t.time for t in outcome.tokens], outcome.finish.time)
     if outcome.finish.finish_reason not in RESULTS:
         raise from_finish(outcome.finish)
     return outcome
 
 
 async def first_batch(
-    request: Request, engine: Engine, handle: RequestHandle
+    request: Request, engine: EngineClient, handle: RequestHandle
 ) -> tuple[list[Event], AsyncIterator[list[Event]]]:
     """Wait for a stream's first events before any byte of the response is sent, so that a
     request that ends without a result before its first token (a shrink, a drain, its own
@@ -160,7 +161,7 @@ async def _tagged(
 
 async def collect_all(
     request: Request,
-    engine: Engine,
+    engine: EngineClient,
     handles: list[RequestHandle],
     metrics: Metrics,
     arrived: float,
@@ -177,7 +178,7 @@ async def collect_all(
 
 
 async def stream_choices(
-    engine: Engine,
+    engine: EngineClient,
     handles: list[RequestHandle],
     metrics: Metrics,
     arrived: float,

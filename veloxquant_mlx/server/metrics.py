@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,12 +11,13 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.client import EngineClient
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
     ENGINE_FAILED,
     REQUEST_FAILED,
+    EngineView,
 )
 
 _LATENCY_BUCKETS = (
@@ -27,13 +29,15 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 class EngineCollector(Collector):
     """Reads the engine and its pool at scrape time (gauges are never set by hand)."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.view: EngineView | None = None  # set by Metrics.render for the scrape
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
-        stats = engine.stats()
+        view = self.view if self.view is not None else engine.view()
+        stats = view.stats
         info = GaugeMetricFamily(
             "veloxquant_build_info",
             "Build and runtime facts (value is always 1).",
@@ -79,9 +83,8 @@ class EngineCollector(Collector):
         for code in (REQUEST_FAILED, CAPACITY_REDUCED, DRAINING, ENGINE_FAILED):
             failed.add_metric([code], stats.failures_total.get(code, 0))
         yield failed
-        pool = engine.pool
-        if pool is not None:
-            pstats = pool.stats
+        if view.pool is not None:
+            pstats = view.pool.stats
             per_block = stats.kv_bytes_per_block
             yield _gauge("veloxquant_kv_bytes_per_block", "Bytes behind one KV block.", per_block)
             yield _gauge(
@@ -147,8 +150,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class Metrics:
     """The app's registry: request latency histograms plus the live collector."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._lock = threading.Lock()
         self.engine = engine
         self.ttft = Histogram(
             "veloxquant_time_to_first_token_seconds",
@@ -168,7 +172,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(EngineCollector(engine, model_name))
+        self.collector = EngineCollector(engine, model_name)
+        self.registry.register(self.collector)
 
     def observe(self, arrived: float, token_times: list[float], finished: float) -> None:
         if token_times:
@@ -177,11 +182,17 @@ class Metrics:
                 self.itl.observe(max(0.0, b - a))
         self.e2e.observe(max(0.0, finished - arrived))
 
-    def render(self) -> bytes:
-        text = generate_latest(self.registry)
-        pool = self.engine.pool
-        if pool is not None:
-            text += pool.stats.to_prometheus().encode()
+    def render(self, view: EngineView) -> bytes:
+        """The scrape's text, from ``view`` (one read of the engine; a registry collects in one
+        thread at a time, so the collector's view is this scrape's)."""
+        with self._lock:
+            self.collector.view = view
+            try:
+                text = generate_latest(self.registry)
+            finally:
+                self.collector.view = None
+        if view.pool is not None:
+            text += view.pool.stats.to_prometheus().encode()
         return text
 
 

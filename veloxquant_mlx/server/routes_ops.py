@@ -48,24 +48,25 @@ async def ready(request: Request) -> Any:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     st = state(request)
-    return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    view = await asyncio.to_thread(st.engine.view)  # a round trip when the engine is a process
+    return Response(st.metrics.render(view), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _pool_view(request: Request) -> dict[str, Any]:
+async def _pool_view(request: Request) -> dict[str, Any]:
     st = state(request)
-    pool = st.engine.pool
+    view = await asyncio.to_thread(st.engine.view)
+    pool = view.pool
     if pool is None:
         raise APIError(503, "the engine is not ready", code="not_ready")
-    stats = st.engine.stats()
     return {
-        "block_size": pool.config.block_size,
-        "separate_kv": pool.config.separate_kv,
+        "block_size": pool.block_size,
+        "separate_kv": pool.separate_kv,
         "kv_bytes_per_block": st.engine.kv_bytes_per_block,
-        "blocks_in_use_by_running": stats.blocks_in_use,
-        "prefix_cache": _prefix_view(stats),
+        "blocks_in_use_by_running": view.stats.blocks_in_use,
+        "prefix_cache": _prefix_view(view.stats),
         "stats": as_dict(pool.stats),
-        "streams": {s: {"free": pool.n_free(s), "total": pool.n_total(s)} for s in pool.streams},
-        "owners": {str(owner): n for owner, n in pool.owner_block_counts().items()},
+        "streams": {s: {"free": pool.free[s], "total": pool.total[s]} for s in pool.free},
+        "owners": pool.owners,
     }
 
 
@@ -83,7 +84,7 @@ def _prefix_view(stats: Any) -> dict[str, Any]:
 
 @admin.get("/pool")
 async def pool_view(request: Request) -> dict[str, Any]:
-    return _pool_view(request)
+    return await _pool_view(request)
 
 
 @admin.post("/pool/shrink")
@@ -94,7 +95,7 @@ async def pool_shrink(body: ShrinkRequest, request: Request) -> dict[str, Any]:
         retired = await asyncio.to_thread(st.engine.shrink, body.stream, body.target_free)
     except EngineError as exc:
         raise from_engine(exc) from None
-    return {"retired": retired, **_pool_view(request)}
+    return {"retired": retired, **(await _pool_view(request))}
 
 
 @admin.post("/prefix-cache/reset")
@@ -105,4 +106,4 @@ async def prefix_cache_reset(request: Request) -> dict[str, Any]:
         freed = await asyncio.to_thread(st.engine.reset_prefix_cache)
     except EngineError as exc:
         raise from_engine(exc) from None
-    return {"freed_blocks": freed, **_pool_view(request)}
+    return {"freed_blocks": freed, **(await _pool_view(request))}

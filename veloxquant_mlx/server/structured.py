@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.client import EngineClient
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.schemas import ResponseFormat
 
@@ -45,7 +45,7 @@ def _schema_grammar(schema: dict[str, Any]) -> str:
     )
 
 
-async def grammar_for(fmt: ResponseFormat | None, engine: Engine) -> str | None:
+async def grammar_for(fmt: ResponseFormat | None, engine: EngineClient) -> str | None:
     """The grammar that ``fmt`` asks for (None for plain text).
 
     Raises:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Where a serving run spends its time: py-spy (raw collapsed stacks, per thread) on our server,
+# its engine process and the load client, plus every thread's CPU seconds over the same window,
+# at one concurrency. Loopback only; every process it starts is stopped by pid.
+#
+#   benchmarks/profile_serving.sh MODEL_DIR OUT_DIR CONCURRENCY PROMPT_WORDS [server flags...]
+set -euo pipefail
+model=$1 out=$2 c=$3 words=$4; shift 4
+mkdir -p "$out"
+spy=${SITE:+$SITE/bin/}py-spy
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+python3 -m veloxquant_mlx.server --model "$model" --port "$port" --blas off --max-running 256 \
+  --max-queue 1024 --kv-cache-mb 4096 --log-level warning "$@" > "$out/server.log" 2>&1 &
+srv=$!
+lt=""
+cleanup() { [ -n "$lt" ] && kill "$lt" 2>/dev/null; kill "$srv" 2>/dev/null; wait 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
+  kill -0 "$srv" 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
+  sleep 0.5
+done
+load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
+  --max-tokens 128 --no-leak-check "$@"; }
+load --concurrency 4 --requests 8 > /dev/null
+load --concurrency "$c" --requests $((c * 4)) --json "$out/load.json" > "$out/load.txt" 2>&1 &
+lt=$!
+sleep 4
+pids="$srv $(cat /proc/$srv/task/*/children 2>/dev/null) $lt"
+ticks() { for p in $pids; do for t in /proc/$p/task/*; do
+  echo "$p $(cat $t/comm | tr ' ' _) $(awk '{print $14 + $15}' $t/stat 2>/dev/null || echo 0)"; done; done; }
+ticks > "$out/ticks-start.txt"; date +%s.%N > "$out/t0"
+for p in $pids; do
+  "$spy" record --pid "$p" --duration 12 --rate 200 --threads --nonblocking --format raw \
+    --output "$out/spy-$p.txt" > /dev/null 2>&1 &
+done
+wait $(jobs -p | grep -v "^$lt$" | grep -v "^$srv$") 2>/dev/null || true
+ticks > "$out/ticks-end.txt"; date +%s.%N > "$out/t1"
+for p in $pids; do echo "$p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-120)"; done > "$out/pids.txt"
+wait "$lt" || true
+lt=""
+cat "$out/load.txt" | tail -5

@@ -1,0 +1,40 @@
+"""What a request must satisfy that needs only the model's static facts (its vocabulary and
+context window): checked on the caller's thread, in the server's process, before the request
+reaches the engine. Plain Python, no MLX."""
+
+from __future__ import annotations
+
+from veloxquant_mlx.engine.types import (
+    EngineError,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestTooLargeError,
+)
+
+
+def static_problem(
+    request: GenerationRequest, vocab_size: int, context_window: int | None
+) -> EngineError | None:
+    """The error ``request`` must be refused with, or None: a token id, ``top_k`` or
+    ``logit_bias`` key outside the vocabulary, or prompt + ``max_tokens`` over the window."""
+    vocab = vocab_size
+    sampling = request.sampling
+    if any(not 0 <= t < vocab for t in request.prompt_tokens):
+        return InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
+    if sampling.top_k >= vocab:
+        return InvalidRequestError(
+            f"top_k must be below the vocabulary size {vocab} (0 or -1: off)", "top_k"
+        )
+    if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
+        return InvalidRequestError(
+            f"logit_bias keys must be token ids in [0, {vocab})", "logit_bias"
+        )
+    n_prompt = len(request.prompt_tokens)
+    end = n_prompt + request.max_tokens
+    if context_window is not None and end > context_window:
+        return RequestTooLargeError(  # OpenAI's wording: clients match it
+            f"This model's maximum context length is {context_window} tokens. However, you "
+            f"requested {end} tokens ({n_prompt} in the prompt, {request.max_tokens} in the "
+            "completion). Please reduce the length of the prompt or messages, or max_tokens."
+        )
+    return None

@@ -1,0 +1,225 @@
+"""The engine in a process of its own: the child's side (``remote.EngineProcess`` is the
+server's).
+
+Why a process: the event loop (HTTP, JSON, SSE) and the engine thread share one GIL in one
+process, and at dozens of streams the loop's Python work delays every decode step
+(DESIGN-NOTES.md, "Engine process"). Here the engine has its own interpreter; the two talk over
+one duplex pipe (``multiprocessing.connection``, pickled tuples):
+
+    server -> engine  ("add", id, GenerationRequest)   ("cancel", id)
+                      ("call", call_id, name, args)     ("shutdown", drain_timeout)
+    engine -> server  ("ready", info)  ("load_error", type name, message)
+                      ("ev", [(id, [events...]), ...])  one message per step, FinishEvents last
+                      ("ret", call_id, ok, value)       ("dead", message)  ("exit",)
+
+Ids are the server's; the child's ``Engine`` keeps its own request ids (the pool's owners).
+A refusal only the engine can decide (queue full, a pool shrunk below the prompt, draining)
+comes back as a FinishEvent whose code is ``types.REJECTED`` + the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.handle import Event, RequestHandle
+from veloxquant_mlx.engine.types import REJECTED, EngineError, FinishEvent, Usage
+
+log = logging.getLogger("veloxquant.engine")
+
+# What the server may call on the child's Engine (anything else is refused).
+CALLS = ("shrink", "reset_prefix_cache", "score", "view")
+
+
+def serve(
+    config: EngineConfig,
+    conn: Connection,
+    log_format: str = "text",
+    log_level: str = "info",
+    switch_interval: float | None = None,
+) -> None:
+    """The child process's main: load, then relay until the server says shutdown or goes away.
+
+    Signals are the server's business: SIGINT (a terminal's Ctrl-C reaches the whole process
+    group) and SIGTERM (systemd and ``kill -- -PGID`` signal every process) are ignored here,
+    so the server's drain decides when this engine stops; it stops when the pipe closes too.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from veloxquant_mlx.logs import setup_logging
+
+    setup_logging(log_format, log_level)
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    Bridge(Engine(config), conn).run()
+
+
+class Bridge:
+    """Owns the child's ``Engine`` and its end of the pipe; the event sink of every handle.
+
+    ``_handles`` (server id -> handle of a request not yet finished) is guarded by ``_lock``;
+    ``_send_lock`` keeps one message whole when the engine thread, the receiver and call
+    threads send at once.
+    """
+
+    def __init__(self, engine: Engine, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._handles: dict[int, RequestHandle] = {}
+        self._stopping = threading.Event()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        # the server gone: the receiver sees it and stops the engine
+        with self._send_lock, contextlib.suppress(OSError, EOFError):
+            self.conn.send(message)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def deliver(self, items: list[tuple[RequestHandle, Sequence[Event]]]) -> None:
+        """One step's events of every request (``EventSink``), in one message."""
+        out: list[tuple[int, list[Event]]] = []
+        for handle, events in items:
+            out.append((handle.tag, list(events)))
+            if isinstance(events[-1], FinishEvent):
+                with self._lock:
+                    self._handles.pop(handle.tag, None)
+        self.send(("ev", out))
+
+    # ------------------------------------------------------------------ the child's main thread
+
+    def run(self) -> None:
+        engine = self.engine.start()
+        try:
+            engine.wait_ready()
+        except BaseException as exc:
+            engine.shutdown(0)  # joins the engine thread: MLX aborts an exit under a live one
+            self.send(("load_error", type(exc).__name__, str(exc)))
+            return
+        assert engine.geometry is not None
+        self.send(
+            (
+                "ready",
+                {
+                    "model_name": engine.model_name,
+                    "model_path": engine.model_path,
+                    "kv_bytes_per_block": engine.kv_bytes_per_block,
+                    "blas": engine.blas,
+                    "device": engine.device,
+                    "vocab_size": engine.vocab_size,
+                    "context_window": engine.context_window,
+                },
+            )
+        )
+        threading.Thread(target=self._watch, name="veloxquant-engine-watch", daemon=True).start()
+        try:
+            self._receive()
+        finally:
+            self._stopping.set()
+            engine.shutdown(0)  # a no-op after a drain; at once if the server vanished
+
+    def _watch(self) -> None:
+        """Tell the server when the engine thread died (it has failed its requests already)."""
+        while not self._stopping.is_set():
+            if not self.engine.alive and not self.engine.draining:
+                self.send(("dead", "the engine thread died"))
+                return
+            time.sleep(0.1)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping.is_set():
+                    log.warning("the server's process is gone; stopping the engine")
+                return
+            kind = message[0]
+            if kind == "add":
+                self._add(message[1], message[2])
+            elif kind == "cancel":
+                with self._lock:
+                    handle = self._handles.get(message[1])
+                if handle is not None:
+                    self.engine.cancel(handle)
+            elif kind == "call":
+                self._call(message[1], message[2], message[3])
+            elif kind == "shutdown":
+                threading.Thread(
+                    target=self._shutdown, args=(message[1],), name="veloxquant-drain"
+                ).start()
+            else:
+                log.error("unknown message from the server: %r", kind)
+
+    def _add(self, tag: int, request: Any) -> None:
+        try:
+            handle = self.engine.submit(request, self, tag)
+        except EngineError as exc:
+            usage = Usage(len(request.prompt_tokens), 0, 0, 0)
+            finish = FinishEvent(
+                "error", usage, time.monotonic(), error=str(exc), error_code=REJECTED + exc.reason
+            )
+            self.send(("ev", [(tag, [finish])]))
+            return
+        with self._lock:
+            if handle.finish is None:  # else it ended already and deliver() has let it go
+                self._handles[tag] = handle
+
+    def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        if name not in CALLS:
+            self.send(("ret", call_id, False, ValueError(f"no such call: {name}")))
+            return
+        if name == "view":  # thread-safe reads: answered here, never behind a step
+            self._answer(call_id, name, args)
+            return
+        threading.Thread(
+            target=self._answer, args=(call_id, name, args), name=f"veloxquant-{name}"
+        ).start()
+
+    def _answer(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            value = getattr(self.engine, name)(*args)
+        except Exception as exc:
+            self.send(("ret", call_id, False, _portable(exc)))
+            return
+        self.send(("ret", call_id, True, value))
+
+    def _shutdown(self, drain_timeout: float) -> None:
+        self.engine.shutdown(drain_timeout)
+        self._stopping.set()
+        self.send(("exit",))  # the server closes its end: the receiver's recv ends, run returns
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling as itself (our errors and builtins do), else a
+    RuntimeError naming its type (never its message: it may hold paths)."""
+    if isinstance(exc, EngineError | ValueError | TimeoutError | OSError):
+        return exc
+    return RuntimeError(f"the engine call failed ({type(exc).__name__})")
+
+
+def main(argv: list[str]) -> int:
+    """``python -m veloxquant_mlx.engine.process FD``: FD is this end of the server's socket
+    pair; the first message is ``("config", EngineConfig, log_format, log_level, interval)``."""
+    conn = Connection(int(argv[0]))
+    try:
+        kind, config, *args = conn.recv()
+    except (EOFError, OSError):
+        return 1
+    assert kind == "config", kind
+    serve(config, conn, *args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
