@@ -23,20 +23,23 @@ done
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
   --max-tokens 128 --no-leak-check "$@"; }
 load --concurrency 4 --requests 8 > /dev/null
-load --concurrency "$c" --requests $((c * 4)) --json "$out/load.json" > "$out/load.txt" 2>&1 &
+load --concurrency "$c" --requests $((c * 4)) > "$out/load.txt" 2>&1 &
 lt=$!
 sleep 4
-pids="$srv $(cat /proc/$srv/task/*/children 2>/dev/null) $lt"
+pids="$srv $(cat /proc/$srv/task/*/children 2>/dev/null)"
 ticks() { for p in $pids; do for t in /proc/$p/task/*; do
   echo "$p $(cat $t/comm | tr ' ' _) $(awk '{print $14 + $15}' $t/stat 2>/dev/null || echo 0)"; done; done; }
-ticks > "$out/ticks-start.txt"; date +%s.%N > "$out/t0"
+{ date +%s.%N; ticks; } > "$out/ticks-start.txt"
 for p in $pids; do
   "$spy" record --pid "$p" --duration 12 --rate 200 --threads --nonblocking --format raw \
     --output "$out/spy-$p.txt" > /dev/null 2>&1 &
 done
 wait $(jobs -p | grep -v "^$lt$" | grep -v "^$srv$") 2>/dev/null || true
-ticks > "$out/ticks-end.txt"; date +%s.%N > "$out/t1"
-for p in $pids; do echo "$p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-120)"; done > "$out/pids.txt"
+{ date +%s.%N; ticks; } > "$out/ticks-end.txt"
+{ for p in $pids; do echo "$p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-120)"; done
+  echo "--- start"; cat "$out/ticks-start.txt"; echo "--- end"; cat "$out/ticks-end.txt"
+} > "$out/info.txt"
+rm -f "$out/ticks-start.txt" "$out/ticks-end.txt"
 wait "$lt" || true
 lt=""
 cat "$out/load.txt" | tail -5
