@@ -108,6 +108,7 @@ def server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
         tmp_path_factory.mktemp("e2e"),
         "--n-blocks", "6000", "--max-queue", "64",
         "--gil-switch-interval-ms", "1",  # the opt-in GIL setting serves like the default
+        "--engine-process",  # the API end to end through the engine's own process
     )  # fmt: skip
     yield srv
     assert stop_server(srv) == 0, srv.log()

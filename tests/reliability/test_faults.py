@@ -209,13 +209,14 @@ def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_
 def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_zero(
     tmp_path, default_model_dir
 ):
-    """The engine in its own process (the default), killed mid-stream: every stream ends with
-    its error event, /health turns 503, and the server exits 1 for its supervisor."""
+    """The engine in its own process (--engine-process), killed mid-stream: every stream ends
+    with its error event, /health turns 503, and the server exits 1 for its supervisor."""
     port = free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "veloxquant_mlx.server", "--port", str(port), "--admin-key",
-         ADMIN, "--model-cache-dir", str(default_model_dir.parent), "--blas", "off"],
+         ADMIN, "--model-cache-dir", str(default_model_dir.parent), "--blas", "off",
+         "--engine-process"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -75,10 +75,10 @@ class Settings(BaseSettings):
         "(cached blocks no request holds are evicted, LRU, before any allocation fails).",
     )
     engine_process: bool = Field(
-        True,
+        False,
         description="Run the engine (model, scheduler, pool) in a process of its own, so that "
-        "HTTP and SSE work never holds the GIL a decode step waits for; off: a thread of the "
-        "server's process.",
+        "HTTP and SSE work never holds the GIL a decode step waits for (measured no faster on "
+        "an H200 at 128 clients: DESIGN-NOTES.md); off: a thread of the server's process.",
     )
     stream_interval_ms: float = Field(
         25.0,
@@ -96,6 +96,21 @@ class Settings(BaseSettings):
     )
     drain_timeout: float = Field(
         30.0, ge=0, description="Seconds running requests may finish after SIGTERM."
+    )
+    register_with: str | None = Field(
+        None,
+        description="An SMG router's URL: join its workers at start (POST /workers), leave "
+        "when draining (DELETE /workers/{id}).",
+    )
+    advertise_url: str | None = Field(
+        None,
+        description="This server's URL as the router reaches it (default: http://HOST:PORT).",
+    )
+    metrics_compat: Literal["none", "vllm"] = Field(
+        "none",
+        description="Also export vLLM's names for the load a router reads "
+        "(vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+        "vllm:cache_config_info, vllm:prefix_cache_*), for routers that know only those.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")

@@ -1,5 +1,5 @@
-"""What the server holds: the engine in its own process (the default) or on a thread of the
-server's process. Both facades answer the same calls."""
+"""What the server holds: the engine on a thread of the server's process (the default) or in a
+process of its own (``--engine-process``). Both facades answer the same calls."""
 
 from __future__ import annotations
 

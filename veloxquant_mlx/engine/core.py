@@ -446,6 +446,7 @@ class EngineCore:
             preemptions=sched.preemptions,
             kv_layout=self.runner.kv.kind,
             kv_working_bytes=self.runner.kv.nbytes(),
+            waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
             **extra,
         )
         with self.inbox.lock:

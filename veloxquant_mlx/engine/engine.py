@@ -115,6 +115,11 @@ class Engine:
     def context_window(self) -> int | None:
         return self.geometry.context_window if self.geometry else None
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose K and V take pool blocks: a token block is ``2 * kv_layers`` blocks."""
+        return self.geometry.n_layers_total if self.geometry else 0
+
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting; let running requests finish until the deadline; fail the rest.
 
@@ -316,6 +321,7 @@ class Engine:
                 prefix_queries_total=snap.prefix_queries,
                 prefix_hits_total=snap.prefix_hits,
                 prefix_evictions_total=snap.prefix_evictions,
+                waiting_tokens=snap.waiting_tokens,
             )
 
     def view(self) -> EngineView:

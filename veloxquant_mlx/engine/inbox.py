@@ -39,6 +39,7 @@ class Snapshot:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of them, found cached
     prefix_evictions: int = 0  # pages evicted
+    waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet in their KV
 
 
 class Inbox:

@@ -118,6 +118,7 @@ class Bridge:
                     "device": engine.device,
                     "vocab_size": engine.vocab_size,
                     "context_window": engine.context_window,
+                    "kv_layers": engine.kv_layers,
                 },
             )
         )

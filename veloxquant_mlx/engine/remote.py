@@ -100,6 +100,7 @@ class EngineProcess:
         self.blas = "unknown"
         self.device = "unknown"
         self.vocab_size = 0
+        self.kv_layers = 0
         self.token_bytes: list[bytes] | None = None
         self.ll_tokenizer: Any = None
         self._context_window: int | None = None
@@ -247,6 +248,7 @@ class EngineProcess:
         self.device = info["device"]
         self.vocab_size = info["vocab_size"]
         self._context_window = info["context_window"]
+        self.kv_layers = info["kv_layers"]
         self._ready.set()
 
     def _dispatch(self, items: list[tuple[int, list[TokenEvent | FinishEvent]]]) -> None:

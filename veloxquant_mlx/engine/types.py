@@ -203,6 +203,7 @@ class EngineStats:
     prefix_queries_total: int = 0  # prompt tokens looked up
     prefix_hits_total: int = 0  # of them, found cached
     prefix_evictions_total: int = 0  # cached pages evicted (pressure, shrink, reset)
+    waiting_tokens: int = 0  # prompt tokens the waiting requests still have to prefill
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,10 +19,12 @@ from veloxquant_mlx.server import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_scale,
 )
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
+from veloxquant_mlx.server.registration import Registration
 
 log = logging.getLogger("veloxquant.server")
 
@@ -97,7 +99,15 @@ def create_app(
         assert eng is not None
         await asyncio.to_thread(eng.wait_ready)
         name = settings.served_model_name or eng.model_name
-        app.state.vq = AppState(settings, eng, Metrics(eng, name), name)
+        metrics = Metrics(eng, name, settings.metrics_compat)
+        app.state.vq = AppState(settings, eng, metrics, name)
+        joining = None
+        if settings.register_with:
+            worker = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+            app.state.vq.registration = Registration(
+                settings.register_with, worker, settings.api_key
+            )
+            joining = asyncio.create_task(app.state.vq.registration.register())
         pool = (await asyncio.to_thread(eng.view)).pool
         log.info("serving %s on the block pool (%s)", name, pool.summary if pool else None)
         watcher = asyncio.create_task(watch(eng))
@@ -106,6 +116,9 @@ def create_app(
         finally:
             watcher.cancel()
             app.state.vq.draining = True
+            if joining is not None:
+                joining.cancel()
+                await asyncio.to_thread(app.state.vq.registration.deregister)
             if own:
                 await asyncio.to_thread(eng.shutdown, settings.drain_timeout)
 
@@ -121,6 +134,7 @@ def create_app(
     app.include_router(routes_chat.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_scale.router)
     app.include_router(routes_ops.admin)
     # Outermost last: request ids, CORS (so a 401 carries its headers), keys, the body.
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)

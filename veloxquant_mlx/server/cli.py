@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("draining: up to %.0fs for running requests", settings.drain_timeout)
 
             def drain() -> None:
+                if state.registration is not None:  # the router stops sending first
+                    state.registration.deregister()
                 state.engine.shutdown(settings.drain_timeout)
                 log.info("drained; stopping")
                 self.should_exit = True  # uvicorn's main loop polls it

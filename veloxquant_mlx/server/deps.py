@@ -12,6 +12,8 @@ from veloxquant_mlx.config import Settings
 from veloxquant_mlx.engine.client import EngineClient
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.metrics import Metrics
+from veloxquant_mlx.server.rates import RateWindow
+from veloxquant_mlx.server.registration import Registration
 
 
 @dataclass(slots=True)
@@ -23,6 +25,8 @@ class AppState:
     metrics: Metrics
     model_name: str
     draining: bool = False
+    registration: Registration | None = None  # --register-with
+    rate: RateWindow = field(default_factory=RateWindow)  # generated tokens/s (/v1/loads)
     started: int = field(default_factory=lambda: int(time.time()))  # unix time, for /v1/models
 
 

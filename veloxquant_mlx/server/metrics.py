@@ -29,9 +29,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 class EngineCollector(Collector):
     """Reads the engine and its pool at scrape time (gauges are never set by hand)."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, compat: str = "none") -> None:
         self.engine = engine
         self.model_name = model_name
+        self.compat = compat
         self.view: EngineView | None = None  # set by Metrics.render for the scrape
 
     def collect(self) -> Iterator[Metric]:
@@ -135,8 +136,51 @@ class EngineCollector(Collector):
                 stats.prefix_evictions_total,
             )
 
+        if self.compat == "vllm":
+            yield from _vllm_aliases(view, self.model_name, engine.kv_layers)
+
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _vllm_aliases(view: EngineView, model: str, kv_layers: int) -> Iterator[Metric]:
+    """vLLM's names for what routers read (the gateway-api-inference-extension's model-server
+    protocol): ``--metrics-compat vllm``. KV usage is the running requests' share of the pool
+    as it is now; a vLLM block is one token block here (K and V of every layer)."""
+    stats, pool = view.stats, view.pool
+    labels = ["model_name"]
+
+    def one(family: GaugeMetricFamily | CounterMetricFamily, value: float) -> Metric:
+        family.add_metric([model], value)
+        return family
+
+    yield one(GaugeMetricFamily("vllm:num_requests_running", "Requests running.", labels=labels),
+              stats.running)  # fmt: skip
+    yield one(GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting.", labels=labels),
+              stats.waiting)  # fmt: skip
+    total = pool.stats.n_blocks if pool is not None else 0
+    usage = min(1.0, stats.blocks_in_use / total) if total else 0.0
+    yield one(
+        GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV usage, 1 is full.", labels=labels),
+        usage,
+    )
+    yield one(
+        CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up.", labels=labels),
+        stats.prefix_queries_total,
+    )
+    yield one(
+        CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached.", labels=labels),
+        stats.prefix_hits_total,
+    )
+    if pool is not None:
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV cache configuration (value is always 1).",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        token_blocks = total // (2 * max(1, kv_layers))
+        info.add_metric([str(pool.block_size), str(token_blocks), str(stats.prefix_caching)], 1)
+        yield info
 
 
 def _gauge(name: str, doc: str, value: float | bool) -> GaugeMetricFamily:
@@ -150,7 +194,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class Metrics:
     """The app's registry: request latency histograms plus the live collector."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, compat: str = "none") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
         self.engine = engine
@@ -172,7 +216,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.collector = EngineCollector(engine, model_name)
+        self.collector = EngineCollector(engine, model_name, compat)
         self.registry.register(self.collector)
 
     def observe(self, arrived: float, token_times: list[float], finished: float) -> None:

@@ -1,0 +1,102 @@
+"""What a router reads from a replica: ``GET /v1/loads`` in SMG's schema, following the engine
+(running, waiting, tokens held, capacity after a shrink), and ``--metrics-compat vllm``'s
+aliases in Prometheus text; without the flag, no colon-named metric at all."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import ADMIN, wait_idle
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+from veloxquant_mlx.server.rates import RateWindow
+
+pytestmark = pytest.mark.anyio
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+SNAPSHOT_KEYS = {
+    "dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
+    "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
+    "max_running_requests", "num_waiting_uncached_tokens",
+}  # fmt: skip
+
+
+def long_request(engine, tag: int = 0, words: int = 40) -> GenerationRequest:
+    prompt = engine.tokenizer.encode(f"request {tag}: " + "tell me more " * words)
+    return GenerationRequest(tuple(prompt), 400, SamplingParams(temperature=0.0))
+
+
+async def first_token(handle) -> None:
+    async for _ in handle:
+        return
+
+
+async def test_loads_follow_the_engine_and_a_shrink(client_for):
+    client = await client_for(n_blocks=4096, max_running=2)
+    idle = (await client.get("/v1/loads")).json()
+    assert idle["dp_rank_count"] == 1 and len(idle["loads"]) == 1
+    snap = idle["loads"][0]
+    assert set(snap) == SNAPSHOT_KEYS
+    assert snap["num_running_reqs"] == snap["num_used_tokens"] == 0
+    # 4096 blocks over K and V of 4 layers: 512 token blocks of 16
+    assert snap["max_total_num_tokens"] == 4096 // (2 * 4) * 16
+    assert snap["max_running_requests"] == 2 and snap["token_usage"] == 0.0
+
+    engine = client.engine
+    handles = [engine.submit(long_request(engine, i)) for i in range(3)]  # 2 run, 1 waits
+    await asyncio.gather(*(first_token(h) for h in handles[:2]))
+    busy = (await client.get("/v1/loads?include=core,memory,queues")).json()["loads"][0]
+    assert busy["num_running_reqs"] == 2 and busy["num_waiting_reqs"] == 1
+    assert busy["num_total_reqs"] == 3
+    prompt = len(handles[0].request.prompt_tokens)
+    assert 2 * prompt <= busy["num_used_tokens"] <= 2 * (prompt + 400 + 16)
+    assert 0 < busy["token_usage"] <= 1 and busy["utilization"] == 1.0
+    assert busy["num_waiting_uncached_tokens"] > 0
+    assert busy["memory"]["token_capacity"] == busy["max_total_num_tokens"]
+    assert busy["queues"]["waiting"] == 1
+
+    r = await client.post("/admin/pool/shrink", json={"stream": "kv", "target_free": 64},
+                          headers=AUTH)  # fmt: skip
+    assert r.status_code == 200, r.text
+    shrunk = (await client.get("/v1/loads")).json()["loads"][0]
+    assert shrunk["max_total_num_tokens"] < snap["max_total_num_tokens"]
+    assert shrunk["token_usage"] > busy["token_usage"]
+    for h in handles:
+        engine.cancel(h)
+    await wait_idle(engine)
+    after = (await client.get("/v1/loads")).json()["loads"][0]
+    assert after["num_running_reqs"] == after["num_used_tokens"] == 0
+
+
+def test_the_rate_window_is_tokens_per_second_over_its_window():
+    rate = RateWindow(window=10.0)
+    assert rate.update(0, now=100.0) == 0.0
+    assert rate.update(500, now=105.0) == pytest.approx(100.0)
+    assert rate.update(1500, now=110.0) == pytest.approx(150.0)
+    # samples older than the window drop out: 1500 -> 3500 over 111 -> 121 is 200 tok/s
+    rate.update(1500, now=111.0)
+    assert rate.update(3500, now=121.0) == pytest.approx(200.0, rel=0.05)
+
+
+async def test_vllm_aliases_only_with_the_flag(client_for):
+    plain = await client_for()
+    names = {f.name for f in text_string_to_metric_families((await plain.get("/metrics")).text)}
+    assert not any(":" in n for n in names)
+
+    compat = await client_for(metrics_compat="vllm", n_blocks=4096)
+    engine = compat.engine
+    handle = engine.submit(long_request(engine))
+    await first_token(handle)
+    text = (await compat.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    running = families["vllm:num_requests_running"].samples[0]
+    assert running.value == 1 and running.labels == {"model_name": "veloxquant-tiny-llama"}
+    assert families["vllm:num_requests_waiting"].samples[0].value == 0
+    usage = families["vllm:kv_cache_usage_perc"].samples[0].value
+    assert 0 < usage < 1
+    info = families["vllm:cache_config_info"].samples[0].labels
+    assert info == {"block_size": "16", "num_gpu_blocks": "512", "enable_prefix_caching": "True"}
+    assert "vllm:prefix_cache_queries" in families and "vllm:prefix_cache_hits" in families
+    engine.cancel(handle)
+    await wait_idle(engine)
