@@ -99,6 +99,12 @@ class EngineCollector(Collector):
                 pstats.n_blocks * per_block,
             )
             yield _gauge(
+                "veloxquant_kv_cache_usage_ratio",
+                "Share of the pool's blocks (as it is now) that running requests hold, 0-1; "
+                "cached blocks no request holds are free to any allocation and not counted.",
+                min(1.0, stats.blocks_in_use / pstats.n_blocks) if pstats.n_blocks else 0.0,
+            )
+            yield _gauge(
                 "veloxquant_kv_working_set_bytes",
                 "Bytes of the batch's KV memory MLX holds (the paged store, or the dense "
                 "working set).",
