@@ -32,6 +32,18 @@ async def first_token(handle) -> None:
         return
 
 
+async def loads_when(client, check, query: str = "") -> dict:
+    """The first load report that passes ``check`` (the engine publishes its snapshot after
+    the step whose tokens a client already has, so the report may lag by a step)."""
+    snap: dict = {}
+    for _ in range(200):
+        snap = (await client.get(f"/v1/loads{query}")).json()["loads"][0]
+        if check(snap):
+            return snap
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the loads never passed the check: {snap}")
+
+
 async def test_loads_follow_the_engine_and_a_shrink(client_for):
     client = await client_for(n_blocks=4096, max_running=2)
     idle = (await client.get("/v1/loads")).json()
@@ -46,8 +58,10 @@ async def test_loads_follow_the_engine_and_a_shrink(client_for):
     engine = client.engine
     handles = [engine.submit(long_request(engine, i)) for i in range(3)]  # 2 run, 1 waits
     await asyncio.gather(*(first_token(h) for h in handles[:2]))
-    busy = (await client.get("/v1/loads?include=core,memory,queues")).json()["loads"][0]
-    assert busy["num_running_reqs"] == 2 and busy["num_waiting_reqs"] == 1
+    busy = await loads_when(
+        client, lambda s: s["num_running_reqs"] == 2, "?include=core,memory,queues"
+    )
+    assert busy["num_waiting_reqs"] == 1
     assert busy["num_total_reqs"] == 3
     prompt = len(handles[0].request.prompt_tokens)
     assert 2 * prompt <= busy["num_used_tokens"] <= 2 * (prompt + 400 + 16)
@@ -88,6 +102,9 @@ async def test_vllm_aliases_only_with_the_flag(client_for):
     engine = compat.engine
     handle = engine.submit(long_request(engine))
     await first_token(handle)
+    text = (await compat.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    await loads_when(compat, lambda s: s["num_running_reqs"] == 1)
     text = (await compat.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     running = families["vllm:num_requests_running"].samples[0]
