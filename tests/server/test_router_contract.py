@@ -102,8 +102,6 @@ async def test_vllm_aliases_only_with_the_flag(client_for):
     engine = compat.engine
     handle = engine.submit(long_request(engine))
     await first_token(handle)
-    text = (await compat.get("/metrics")).text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
     await loads_when(compat, lambda s: s["num_running_reqs"] == 1)
     text = (await compat.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
