@@ -273,10 +273,12 @@ class BlockPoolAllocator:
             taken = free[-n_needed:]
             del free[-n_needed:]
             taken.reverse()  # the top of the stack (most recently freed) comes first
+            held = record.blocks
             for block in taken:
                 block.owner = owner
                 block.format = format
                 block.n_used = block_size
+                held[block.block_id] = block
             # The fresh prefix sits deepest, so fresh blocks taken are the last ones in `taken`.
             n_fresh_taken = n_needed - (n_free - self._n_fresh[s])
             if n_fresh_taken > 0:
@@ -285,7 +287,6 @@ class BlockPoolAllocator:
                     block.ever_allocated = True
             else:
                 n_fresh_taken = 0
-            record.blocks.update({b.block_id: b for b in taken})
             last_used = n_tokens - (n_needed - 1) * block_size
             if last_used < block_size:
                 taken[-1].n_used = last_used
