@@ -115,3 +115,23 @@ async def test_vllm_aliases_only_with_the_flag(client_for):
     assert "vllm:prefix_cache_queries" in families and "vllm:prefix_cache_hits" in families
     engine.cancel(handle)
     await wait_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--register-with", "router:30000"], "must be an http(s) URL"),
+        (["--register-with", "http://r:1", "--host", "0.0.0.0"], "needs --advertise-url"),
+        (["--register-with", "http://r:1", "--port", "0"], "needs --advertise-url"),
+        (["--advertise-url", "me:8000"], "must be an http(s) URL"),
+    ],
+)
+def test_a_registration_the_router_could_not_use_stops_at_start(argv, message):
+    from veloxquant_mlx.config.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError) as exc:
+        load_settings(argv)
+    assert message in str(exc.value.code)
+    ok = load_settings(["--register-with", "http://r:1", "--port", "0", "--advertise-url",
+                        "http://me:8000"])  # fmt: skip
+    assert ok.register_with == "http://r:1" and ok.advertise_url == "http://me:8000"

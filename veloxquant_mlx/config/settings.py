@@ -156,6 +156,18 @@ class Settings(BaseSettings):
             floor = self.n_blocks or 0
             if self.max_blocks < floor:
                 raise ValueError("--max-blocks must be >= --n-blocks")
+        for name, url in (
+            ("register_with", self.register_with),
+            ("advertise_url", self.advertise_url),
+        ):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ValueError(f"--{name.replace('_', '-')} must be an http(s) URL")
+        unreachable = self.port == 0 or self.host in ("0.0.0.0", "::", "")
+        if self.register_with and self.advertise_url is None and unreachable:
+            raise ValueError(
+                "--register-with needs --advertise-url when listening on "
+                f"--host {self.host} --port {self.port}: the router must reach this server"
+            )
         for name in ("admin_key", "api_key"):
             value = getattr(self, name)
             if value is not None and len(value) < 8:
