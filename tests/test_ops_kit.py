@@ -124,3 +124,35 @@ def test_the_image_has_no_compiler_and_the_forwarder_is_opt_in():
         re.search(r"\b(gcc|clang|build-essential|libc6-dev)\b", line) for line in run_lines
     )
     assert Settings().blas_gemv is False
+
+
+def test_the_fleet_compose_validates_and_its_replicas_settings_load():
+    """deploy/fleet: two replicas that register with an SMG router; every VQ_ variable a
+    replica sets is a real setting, and together they pass Settings' checks."""
+    fleet = ROOT / "deploy" / "fleet"
+    env = {**os.environ, "VQ_ADMIN_KEY": "compose-test-key"}
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if (
+            shutil.which(cmd[0]) is None
+            or subprocess.run([*cmd, "version"], capture_output=True, timeout=60).returncode
+        ):
+            continue
+        r = subprocess.run(
+            [*cmd, "-f", "docker-compose.yml", "config", "-q"],
+            cwd=fleet, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        break
+    compose = yaml.safe_load((fleet / "docker-compose.yml").read_text())
+    assert set(compose["services"]) == {"router", "replica-1", "replica-2"}
+    assert (fleet / compose["services"]["router"]["build"]["dockerfile"]).exists()
+    for name in ("replica-1", "replica-2"):
+        variables = {
+            k: v.replace("${VQ_ADMIN_KEY:?set VQ_ADMIN_KEY (bearer key for /admin)}", "k" * 16)
+            for k, v in compose["services"][name]["environment"].items()
+        }
+        fields = {f"VQ_{field.upper()}" for field in Settings.model_fields}
+        assert set(variables) <= fields, set(variables) - fields
+        settings = Settings(**{k[3:].lower(): v for k, v in variables.items()})
+        assert settings.register_with == "http://router:30000"
+        assert settings.advertise_url == f"http://{name}:8000"
