@@ -20,6 +20,8 @@ import pytest
 from tests.e2e.conftest import ADMIN, MODEL, Server, free_port, start_server, stop_server
 
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+KEY = "replica-b-api-key"
+B_AUTH = {"Authorization": f"Bearer {KEY}"}
 PREFIXES = [
     f"You are assistant number {k}. Answer briefly, kindly and only about topic {k}. " * 4
     for k in range(3)
@@ -93,15 +95,19 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
     tmp_path, default_model_dir, router
 ):
     os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    # b requires an API key on /v1: it registers it, and the router presents it to b
     a = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks", "4000")
-    b = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks", "4000")
+    b = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks", "4000",
+                     "--api-key", KEY)  # fmt: skip
     try:
         seen = until(lambda: len(workers(router)) == 2 and workers(router), 30, "2 workers")
         assert set(seen) == {a.base_url, b.base_url}
         assert all(w["runtime_type"] == "mlx" for w in seen.values())
 
         # the router's view is our /v1/loads, and follows a shrink
-        ours = httpx.get(f"{b.base_url}/v1/loads", timeout=5).json()["loads"][0]
+        assert httpx.get(f"{b.base_url}/v1/loads", timeout=5).status_code == 401
+        assert KEY not in httpx.get(f"{router}/workers", timeout=5).text
+        ours = httpx.get(f"{b.base_url}/v1/loads", headers=B_AUTH, timeout=5).json()["loads"][0]
 
         def capacity_seen() -> int | None:
             load = workers(router)[b.base_url].get("engine_load") or {}  # after a first poll
@@ -112,7 +118,7 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
         auth = {"Authorization": f"Bearer {ADMIN}"}
         r = httpx.post(f"{b.base_url}/admin/pool/shrink", json=shrink, headers=auth, timeout=30)
         assert r.status_code == 200, r.text
-        shrunk = httpx.get(f"{b.base_url}/v1/loads", timeout=5).json()["loads"][0]
+        shrunk = httpx.get(f"{b.base_url}/v1/loads", headers=B_AUTH, timeout=5).json()["loads"][0]
         assert shrunk["max_total_num_tokens"] < ours["max_total_num_tokens"]
         until(lambda: capacity_seen() == shrunk["max_total_num_tokens"], 15, "shrink seen")
 

@@ -4,8 +4,10 @@ them when it drains, so a fleet scales by starting and stopping servers (no rout
 SMG's control plane: ``POST /workers {"url", "runtime": "mlx"}`` registers (the router then
 health-checks the worker, ``/ready`` when started with ``--health-check-endpoint /ready``, and
 polls ``/v1/loads``); ``GET /workers`` lists them with their ids; ``DELETE /workers/{id}``
-removes one. A router that is down at start is retried in the background; registration never
-blocks serving, and a failure is a warning in the log.
+removes one. With ``--api-key`` set, the key goes in the registration's ``api_key`` (SMG
+sends it to this worker on every call: ``/v1/*`` needs it); it is never sent as the router's
+own credential. A router that is down at start is retried in the background; registration
+never blocks serving, and a failure is a warning in the log.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ class Registration:
     def __init__(self, router_url: str, worker_url: str, api_key: str | None = None) -> None:
         self.router_url = router_url.rstrip("/")
         self.worker_url = worker_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._api_key = api_key
         self._lock = threading.Lock()
         self.registered = False
         self._left = False
 
     async def register(self, attempts: int = 60, interval: float = 1.0) -> bool:
         """POST this worker to the router, retrying while it is unreachable or refuses."""
-        body = {"url": self.worker_url, "runtime": "mlx"}
-        async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
+        body: dict[str, str] = {"url": self.worker_url, "runtime": "mlx"}
+        if self._api_key:
+            body["api_key"] = self._api_key
+        async with httpx.AsyncClient(timeout=5.0) as client:
             for attempt in range(attempts):
                 if self._left:
                     return False
@@ -63,7 +67,7 @@ class Registration:
                 return False
             self.registered = False
         try:
-            with httpx.Client(timeout=5.0, headers=self._headers) as client:
+            with httpx.Client(timeout=5.0) as client:
                 listing = client.get(f"{self.router_url}/workers").json()
                 ids = [
                     w.get("id")
