@@ -19,44 +19,15 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.__main__ import level, parse
-from loadtest.proc import free_port, server
-
-SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
-
-
-@contextlib.contextmanager
-def router(policy: str, log: Path) -> Iterator[str]:
-    port, metrics_port = free_port(), free_port()
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-             "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
-             "--load-monitor-interval", "1", "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(metrics_port)],
-            stdout=fh, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, "the router")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+from loadtest.proc import free_port, server, smg_router
 
 
 def wait(check: Any, what: str, timeout: float = 120.0) -> None:
@@ -117,7 +88,7 @@ def main() -> None:
     with server(replica_cmd(port, a, None), port, dict(os.environ), out / "one.log"):
         results["one replica"] = measure(lt, f"http://127.0.0.1:{port}", a, "one replica")
     for policy in ("cache_aware", "round_robin"):
-        with router(policy, out / f"smg-{policy}.log") as url, contextlib.ExitStack() as stack:
+        with smg_router(policy, out / f"smg-{policy}.log") as url, contextlib.ExitStack() as stack:
             for k in range(2):
                 port = free_port()
                 log = out / f"{policy}-{k}.log"

@@ -3,8 +3,10 @@ fields, and a server context that waits for ``/v1/models`` and stops the process
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -71,3 +73,45 @@ def server(cmd: list[str], port: int, env: dict[str, str], log: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it overstays ``timeout``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@contextmanager
+def smg_router(policy: str, log: Path, *extra: str):
+    """A real SMG router (``smg launch``, PyPI ``smg``) on a free loopback port, with no
+    workers (replicas join it with ``--register-with``); health-checks ``/ready`` and polls
+    ``/v1/loads`` every second. Yields its URL; stopped by pid."""
+    smg = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+    port, metrics_port = free_port(), free_port()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+             "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
+             "--load-monitor-interval", "1", "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(metrics_port), *extra],
+            stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"smg did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop(proc)

@@ -6,20 +6,16 @@ and a draining replica leaves the router and gets no more traffic. Pools all fre
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ADMIN, MODEL, Server, free_port, start_server, stop_server
+from loadtest.proc import smg_router
+from tests.e2e.conftest import ADMIN, MODEL, Server, start_server, stop_server
 
-SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
 KEY = "replica-b-api-key"
 B_AUTH = {"Authorization": f"Bearer {KEY}"}
 PREFIXES = [
@@ -30,27 +26,8 @@ PREFIXES = [
 
 @pytest.fixture
 def router(tmp_path) -> Iterator[str]:
-    port, metrics_port = free_port(), free_port()
-    log = open(tmp_path / "smg.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-         "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
-         "--load-monitor-interval", "1",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 30, "smg up")
+    with smg_router("cache_aware", tmp_path / "smg.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
 
 
 def until(check, timeout: float, what: str):
