@@ -137,6 +137,16 @@ async def test_engine_failure_fails_in_flight_sets_health_503_and_calls_the_exit
     wait_pool_free(engine)
 
 
+def wait_ready(base: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
 LAUNCHER = """
 import sys
 from veloxquant_mlx.engine import core
@@ -174,13 +184,7 @@ def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_ready(base)
         results: list[httpx.Response] = []
 
         def one():
@@ -210,7 +214,7 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_
     tmp_path, default_model_dir
 ):
     """The engine in its own process (--engine-process), killed mid-stream: every stream ends
-    with its error event, /health turns 503, and the server exits 1 for its supervisor."""
+    with its error event and the server exits 1 by itself, for its supervisor."""
     port = free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -221,13 +225,7 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_ready(base)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         engine_pid = next(
             int(c) for c in children if "engine.process" in Path(f"/proc/{c}/cmdline").read_text()
