@@ -123,3 +123,50 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
         for server in (a, b):
             if server.process.poll() is None:
                 stop_server(server)
+
+
+def test_a_shrunk_replica_gets_less_of_the_traffic(tmp_path, default_model_dir):
+    """Round robin alone splits this load 24/24 (checked first, same run). After a shrink that
+    leaves replica b room for about one request, its queue and KV usage show in /v1/loads, the
+    router's overload protection leaves it out while a is under its thresholds, and b serves
+    clearly fewer (17-18 of 48 in runs here)."""
+    import asyncio
+
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    with smg_router("round_robin", tmp_path / "smg-rr.log",
+                    "--worker-overload-waiting-requests", "1") as rr:  # fmt: skip
+        a = start_server(tmp_path, "--register-with", rr, "--blas", "off", "--n-blocks", "4000")
+        b = start_server(tmp_path, "--register-with", rr, "--blas", "off", "--n-blocks", "4000")
+        try:
+            until(lambda: len(workers(rr)) == 2, 30, "2 workers")
+
+            async def load() -> list[int]:
+                gate = asyncio.Semaphore(8)
+                async with httpx.AsyncClient(timeout=120) as client:
+
+                    async def one(i: int) -> int:
+                        body = {"model": MODEL, "prompt": f"request {i} " + "word " * 20,
+                                "max_tokens": 64, "temperature": 0}  # fmt: skip
+                        async with gate:
+                            r = await client.post(f"{rr}/v1/completions", json=body)
+                            return r.status_code
+
+                    return await asyncio.gather(*(one(i) for i in range(48)))
+
+            assert set(asyncio.run(load())) == {200}
+            assert finished(a) == finished(b) == 24  # round robin, nobody overloaded
+            shrink = {"stream": "kv", "target_free": 24}
+            auth = {"Authorization": f"Bearer {ADMIN}"}
+            r = httpx.post(f"{b.base_url}/admin/pool/shrink", json=shrink, headers=auth, timeout=30)
+            assert r.status_code == 200, r.text
+            time.sleep(2.5)  # the router's next load polls see b's capacity
+            assert set(asyncio.run(load())) == {200}
+            served_a, served_b = finished(a) - 24, finished(b) - 24
+            assert served_a + served_b == 48
+            assert served_b <= 21 < served_a, (served_a, served_b)
+            a.wait_pool_free()
+            b.wait_pool_free()
+        finally:
+            for server in (a, b):
+                if server.process.poll() is None:
+                    stop_server(server)
