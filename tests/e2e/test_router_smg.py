@@ -123,4 +123,3 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
         for server in (a, b):
             if server.process.poll() is None:
                 stop_server(server)
-
