@@ -79,12 +79,12 @@ class RequestHandle:
         per event loop per step instead of one per token, which matters when dozens of requests
         decode together. Empty lists are skipped."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[TokenEvent]]]] = {}
-        by_sink: dict[int, tuple[EventSink, list[tuple[RequestHandle, Sequence[Event]]]]] = {}
+        by_sink: dict[EventSink, list[tuple[RequestHandle, Sequence[Event]]]] = {}
         for handle, events in items:
             if not events:
                 continue
             if handle.sink is not None:
-                by_sink.setdefault(id(handle.sink), (handle.sink, []))[1].append((handle, events))
+                by_sink.setdefault(handle.sink, []).append((handle, events))
             elif handle._loop is not None and handle._async_queue is not None:
                 by_loop.setdefault(handle._loop, []).append((handle, events))
             else:
@@ -93,7 +93,7 @@ class RequestHandle:
         for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_deliver, batch)
-        for sink, sunk in by_sink.values():
+        for sink, sunk in by_sink.items():
             sink.deliver(sunk)
 
     # ------------------------------------------------------------------ consumer side

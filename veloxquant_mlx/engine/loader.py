@@ -48,8 +48,9 @@ def load_tokenizer(path: Path) -> Any:
     return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
 
 
-def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any, str]:
-    """(model, tokenizer, name) for a local path, or the embedded default model if None.
+def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any, str, Path]:
+    """(model, tokenizer, name, directory) for a local path, or the embedded default model if
+    None.
 
     ``dtype``: "auto" runs floating weights in float32 on a CPU (MLX's CPU fp16/bf16 matmuls do
     not use BLAS and are 10-50x slower) and keeps them as stored on a GPU; "model" keeps them as
@@ -69,7 +70,7 @@ def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any
     if target is not None:
         net.set_dtype(target)
     log.info("loaded %s from %s (dtype %s)", name, path, dtype)
-    return net, tokenizer, name
+    return net, tokenizer, name, path
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +103,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
 
-    model, tokenizer, name = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
-    path, _ = model_path(cfg.model, cfg.model_cache_dir)
+    model, tokenizer, name, path = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
     check_supported(model)
     geometry = probe_geometry(model)
     pool = BlockPoolAllocator(

@@ -217,7 +217,6 @@ class PoolView:
     free: dict[str, int]  # free blocks per stream ("k", "v") or ("kv",)
     total: dict[str, int]  # blocks managed per stream
     owners: dict[str, int]  # owner id (as text) -> blocks held
-    summary: str  # repr of the allocator, for the log
 
     @classmethod
     def of(cls, pool: BlockPoolAllocator) -> PoolView:
@@ -230,7 +229,6 @@ class PoolView:
             free={s: pool.n_free(s) for s in streams},
             total={s: pool.n_total(s) for s in streams},
             owners={str(owner): n for owner, n in pool.owner_block_counts().items()},
-            summary=repr(pool),
         )
 
 

@@ -109,7 +109,11 @@ def create_app(
             )
             joining = asyncio.create_task(app.state.vq.registration.register())
         pool = (await asyncio.to_thread(eng.view)).pool
-        log.info("serving %s on the block pool (%s)", name, pool.summary if pool else None)
+        if pool is not None:
+            log.info(
+                "serving %s on the block pool (%d blocks of %d slots, streams %s)",
+                name, pool.stats.n_blocks, pool.block_size, "/".join(pool.total),
+            )  # fmt: skip
         watcher = asyncio.create_task(watch(eng))
         try:
             yield
