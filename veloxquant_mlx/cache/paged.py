@@ -67,6 +67,11 @@ class StepCache:
         self.kv = kv
         self.layer = layer
         self.batch = batch
+        # What this step fetched. A pipeline stage (mlx_lm.models.pipeline) chains its send to
+        # the last layer's cache (``cache[-1].keys = mx.depends(cache[-1].keys, h)``); a step
+        # evaluates its logits, which hold the send already, so the chained value is kept and
+        # not used.
+        self.keys: mx.array | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -75,7 +80,11 @@ class StepCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
             raise ValueError("a decode step takes one token per row")
-        return self.kv.write_read(self.layer, keys, values, self.batch)
+        fetched: tuple[mx.array, mx.array] = self.kv.write_read(
+            self.layer, keys, values, self.batch
+        )
+        self.keys = fetched[0]
+        return fetched
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None

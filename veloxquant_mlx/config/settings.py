@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from veloxquant_mlx.config.launch import launched_rank
+
 
 class Settings(BaseSettings):
     """Everything the server can be told. Built once at the entry point, passed down.
@@ -79,6 +81,17 @@ class Settings(BaseSettings):
         description="Run the engine (model, scheduler, pool) in a process of its own, so that "
         "HTTP and SSE work never holds the GIL a decode step waits for (measured no faster on "
         "an H200 at 128 clients: DESIGN-NOTES.md); off: a thread of the server's process.",
+    )
+    pipeline: bool = Field(
+        False,
+        description="Launched over mx.distributed (mlx.launch): split the model's layers "
+        "between the ranks (pipeline parallel) instead of its tensors (the default).",
+    )
+    group_timeout: float = Field(
+        300.0,
+        gt=0,
+        description="Launched over mx.distributed: seconds one step may wait on the other "
+        "ranks before the group counts as dead (/health 503, exit 1).",
     )
     stream_interval_ms: float = Field(
         25.0,
@@ -168,6 +181,8 @@ class Settings(BaseSettings):
                 "--register-with needs --advertise-url when listening on "
                 f"--host {self.host} --port {self.port}: the router must reach this server"
             )
+        if self.engine_process and launched_rank() is not None:
+            raise ValueError("--engine-process does not run in an mx.distributed group")
         for name in ("admin_key", "api_key"):
             value = getattr(self, name)
             if value is not None and len(value) < 8:

@@ -39,3 +39,12 @@ class EngineConfig:
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2
+    # Join the mx.distributed group this process was launched into (engine/group.py): rank 0
+    # serves, every rank runs the same steps on its shard. ``pipeline``: split the layers
+    # (model.model.pipeline) instead of the tensors (model.shard).
+    distributed: bool = False
+    pipeline: bool = False
+    # Seconds one turn may wait on the other ranks before the group is declared dead (a rank
+    # stopped or cut off); an idle leader broadcasts an empty turn every ``heartbeat`` seconds.
+    group_timeout: float = 300.0
+    heartbeat: float = 1.0

@@ -13,21 +13,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.engine.commands import (
+    EMPTY,
+    Command,
+    GroupPools,
+    ResetPrefixCache,
+    Score,
+    Shrink,
+    Turn,
+)
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.grammar import GrammarProcessor
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.group import Group
+from veloxquant_mlx.engine.handle import DISCARD, RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox, Snapshot
 from veloxquant_mlx.engine.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
 from veloxquant_mlx.engine.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.scoring import prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
@@ -53,6 +65,7 @@ class Parts:
     vocab_size: int
     eos: frozenset[int]
     kv_bytes_per_block: int
+    token_bytes: list[bytes] | None = None
 
 
 class EngineCore:
@@ -64,8 +77,15 @@ class EngineCore:
         inbox: Inbox,
         parts: Parts,
         step_hook: Callable[[], None] | None = None,
+        group: Group | None = None,
     ) -> None:
         self.config = config
+        self.group = group
+        # When the current turn began waiting on the other ranks or stepping (watchdogs read
+        # it from other threads; None between turns).
+        self.turn_since: float | None = None
+        self._handles: dict[int, RequestHandle] = {}  # taken from the inbox, not yet applied
+        self._futures: list[Future[Any]] = []  # the taken commands' answers, in order
         self.inbox = inbox
         self.runner = parts.runner
         self.scheduler = parts.scheduler
@@ -81,21 +101,40 @@ class EngineCore:
 
     def run(self) -> None:
         while True:
-            ib = self.inbox
-            busy = self.scheduler.running or self.scheduler.waiting
-            if ib.adds or ib.cancels or ib.commands or ib.draining or not busy:
-                self._take_inbox()
-                if ib.draining and self._finish_draining():
+            turn = self._next_turn()
+            if turn is not None:
+                self._apply(turn)
+                if turn.draining and self._finish_draining(turn.drain_expired):
                     return
             if self.scheduler.running or self.scheduler.waiting:
                 if self._step_hook is not None:
                     self._step_hook()
                 self._turn()
+            self.turn_since = None
             if self._changed:
                 self._publish()
 
-    def _take_inbox(self) -> None:
+    def _next_turn(self) -> Turn | None:
+        """This turn's input: from the inbox (rank 0 broadcasts it to a group), or from rank 0
+        (the other ranks). None: nothing new."""
+        group = self.group
+        if group is not None and not group.leader:
+            self.turn_since = time.monotonic()
+            return group.share(None)
         ib = self.inbox
+        turn = None
+        busy = self.scheduler.running or self.scheduler.waiting
+        if ib.adds or ib.cancels or ib.commands or ib.draining or not busy:
+            turn = self._take_inbox(None if group is None else self.config.heartbeat)
+        if group is not None:
+            self.turn_since = time.monotonic()
+            group.share(turn)
+        return turn
+
+    def _take_inbox(self, timeout: float | None) -> Turn:
+        """What callers sent, waiting for something while idle (at most ``timeout``)."""
+        ib = self.inbox
+        deadline = None if timeout is None else time.monotonic() + timeout
         with ib.lock:
             while not (
                 ib.adds
@@ -105,36 +144,76 @@ class EngineCore:
                 or self.scheduler.running
                 or self.scheduler.waiting
             ):
-                ib.lock.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return EMPTY
+                ib.lock.wait(left)
             adds = list(ib.adds)
             ib.adds.clear()
             cancels, ib.cancels = ib.cancels, set()
             commands = list(ib.commands)
             ib.commands.clear()
-        for fn, future in commands:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
+            draining, deadline = ib.draining, ib.drain_deadline
         for handle in adds:
-            seq = Seq(handle, list(handle.request.prompt_tokens), len(handle.request.prompt_tokens))
-            self._live[handle.request_id] = seq
+            self._handles[handle.request_id] = handle
+        self._futures = [future for _, future in commands]
+        return Turn(
+            adds=tuple((h.request_id, h.request) for h in adds),
+            cancels=tuple(sorted(cancels)),
+            commands=tuple(command for command, _ in commands),
+            draining=draining,
+            drain_expired=draining and deadline is not None and time.monotonic() >= deadline,
+        )
+
+    def _apply(self, turn: Turn) -> None:
+        """Apply one turn's input: commands, then new requests, then cancels."""
+        futures, self._futures = self._futures, []
+        for i, command in enumerate(turn.commands):
+            future = futures[i] if i < len(futures) else None
+            try:
+                result = self.execute(command)
+            except BaseException as exc:
+                if future is None:
+                    log.info("command %s failed on this rank: %s", command, exc)
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+        for request_id, request in turn.adds:
+            handle = self._handles.pop(request_id, None)
+            if handle is None:  # another rank's request: this rank only computes it
+                handle = RequestHandle(request_id, request, DISCARD)
+            seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
+            self._live[request_id] = seq
             self.scheduler.waiting.append(seq)
             self._changed = True
-        for request_id in cancels:
+        for request_id in turn.cancels:
             cancelled = self._live.get(request_id)
             if cancelled is not None:
                 self._end(cancelled, "cancelled")
 
-    def _finish_draining(self) -> bool:
-        """While draining: fail the waiting at once, and past the deadline the running (both
-        DRAINING: the client should retry elsewhere). True: nothing is left."""
+    def execute(self, command: Command) -> Any:
+        """Run one caller's command between steps."""
+        if isinstance(command, Shrink):
+            return self.shrink(command.stream, command.target_free, command.in_token_blocks)
+        if isinstance(command, ResetPrefixCache):
+            return self.reset_prefix_cache()
+        if isinstance(command, Score):
+            return prompt_logprobs(self.runner.model, command.prompt, command.top)
+        if isinstance(command, GroupPools):
+            return self.group_pools()
+        raise TypeError(f"not an engine command: {command!r}")
+
+    def _finish_draining(self, expired: bool) -> bool:
+        """While draining: fail the waiting at once, and once the deadline has passed
+        (``expired``) the running (both DRAINING: the client should retry elsewhere). True:
+        nothing is left."""
         for seq in [s for s in self.scheduler.waiting if s.out is None]:
             self._end(seq, "error", "the server is shutting down", DRAINING)
         if not self.scheduler.running and not self.scheduler.waiting:
             return True
-        deadline = self.inbox.drain_deadline
-        if deadline is not None and time.monotonic() >= deadline:
+        if expired:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self._end(
                     seq, "error", "the server shut down before this request finished", DRAINING
@@ -407,11 +486,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ commands
 
-    def shrink(self, stream: str, target_free: int) -> int:
+    def shrink(self, stream: str, target_free: int, in_token_blocks: bool = False) -> int:
         """Retire free blocks down to ``target_free`` (never a block in use; the prefix cache's
         unreferenced pages are evicted first, so their memory goes back too); then answer every
-        waiting request that can no longer fit at all."""
+        waiting request that can no longer fit at all. ``in_token_blocks``: the target counts
+        token blocks (commands.Shrink)."""
         pool = self.scheduler.pool
+        if in_token_blocks:
+            per_stream = self.scheduler.n_layers * (1 if self.config.separate_kv else 2)
+            target_free *= per_stream
         if self.scheduler.reset_cache():
             self._changed = True
         streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
@@ -424,6 +507,20 @@ class EngineCore:
                     self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
             self._changed = True
         return retired
+
+    def group_pools(self) -> list[list[int]]:
+        """``[rank, blocks, free, blocks in use, owners]`` of every rank's pool (a collective in
+        a group: every rank runs it in the same turn)."""
+        pool = self.scheduler.pool
+        stats = pool.stats
+        mine = [
+            0 if self.group is None else self.group.rank,
+            stats.n_blocks,
+            sum(pool.n_free(s) for s in pool.streams),
+            stats.blocks_in_use(),
+            len(pool.owner_block_counts()),
+        ]
+        return [mine] if self.group is None else self.group.gather_ints(mine)
 
     def _publish(self) -> None:
         self._changed = False
@@ -469,10 +566,26 @@ class EngineCore:
             ib.adds.clear()
             commands = list(ib.commands)
             ib.commands.clear()
-        for h in adds:
+        taken, self._handles = list(self._handles.values()), {}
+        for h in [*taken, *adds]:
             self.push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
-        for _, future in commands:
-            future.set_exception(EngineNotReadyError(message))
+        futures, self._futures = self._futures, []
+        for future in [*futures, *(f for _, f in commands)]:
+            if not future.done():
+                future.set_exception(EngineNotReadyError(message))
+
+    def abandon(self, message: str) -> None:
+        """From another thread, while this loop is stuck in a collective that will not return:
+        every request still live ends with ENGINE_FAILED (no MLX call, no state beyond the
+        answers), and the engine counts as dead."""
+        with self.inbox.lock:
+            self.inbox.alive = False
+            adds = list(self.inbox.adds)
+            self.inbox.adds.clear()
+        handles = [s.handle for s in list(self._live.values())]
+        for handle in [*handles, *list(self._handles.values()), *adds]:
+            if not handle.done:
+                self.push_finish(handle, "error", 0, 0, error=message, code=ENGINE_FAILED)
 
     def release_everything(self) -> None:
         pool = self.scheduler.pool

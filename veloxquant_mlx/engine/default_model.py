@@ -7,6 +7,7 @@ an ordinary mlx_lm model directory, loaded with ``mlx_lm.load`` like any other.
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import tempfile
@@ -70,18 +71,19 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 
 def write_model(directory: Path, config: dict | None = None, seed: int = SEED) -> None:
-    """Write a random-weight Llama (``CONFIG`` updated with ``config``) into ``directory``."""
+    """Write a random-weight model (``CONFIG`` updated with ``config``: a Llama unless its
+    ``model_type`` names another mlx_lm architecture) into ``directory``."""
     _write_model(directory, {**CONFIG, **(config or {})}, seed)
 
 
 def _write_model(directory: Path, config: dict = CONFIG, seed: int = SEED) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
-    args = llama.ModelArgs.from_dict(config)
-    model = llama.Model(args)
+    args = module.ModelArgs.from_dict(config)
+    model = module.Model(args)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     weights = {name: value.astype(mx.float32) for name, value in flat}
     mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})

@@ -7,7 +7,9 @@ scheduler or the runner; they read the pool only through its own thread-safe met
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.checks import static_problem
+from veloxquant_mlx.engine.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.core import EngineCore, Parts
 from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
@@ -25,7 +28,6 @@ from veloxquant_mlx.engine.grammar import grammar_tokenizer
 from veloxquant_mlx.engine.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox
 from veloxquant_mlx.engine.scheduler import Scheduler
-from veloxquant_mlx.engine.scoring import prompt_logprobs
 from veloxquant_mlx.engine.sizing import KVGeometry
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
@@ -34,6 +36,7 @@ from veloxquant_mlx.engine.types import (
     EngineStats,
     EngineView,
     GenerationRequest,
+    GroupInfo,
     InvalidRequestError,
     PoolView,
     QueueFullError,
@@ -44,6 +47,21 @@ from veloxquant_mlx.pool import BlockPoolAllocator
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger("veloxquant.engine")
+
+
+def build_parts(rt: loader.Runtime) -> Parts:
+    """What the core needs besides the runner and scheduler, made from the loaded runtime."""
+    token_bytes = token_bytes_table(rt.tokenizer)
+    return Parts(
+        runner=rt.runner,
+        scheduler=rt.scheduler,
+        new_detokenizer=detokenizer_factory(rt.tokenizer, token_bytes),
+        ll_tokenizer=grammar_tokenizer(rt.tokenizer, rt.vocab_size),
+        vocab_size=rt.vocab_size,
+        eos=frozenset(rt.tokenizer.eos_token_ids),
+        kv_bytes_per_block=rt.kv_bytes_per_block,
+        token_bytes=token_bytes,
+    )
 
 
 class Engine:
@@ -80,7 +98,7 @@ class Engine:
         self.model_path = ""
         self.token_bytes: list[bytes] | None = None
         self.ll_tokenizer: Any = None
-        self._model: Any = None
+        self.group_info = GroupInfo()
         self._scheduler: Scheduler | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -168,23 +186,34 @@ class Engine:
 
     def _load(self) -> None:
         rt = loader.build_runtime(self.config)
-        self._model, self.tokenizer, self.model_name = rt.model, rt.tokenizer, rt.name
+        self.tokenizer, self.model_name = rt.tokenizer, rt.name
         self.geometry, self.pool, self._scheduler = rt.geometry, rt.pool, rt.scheduler
         self.kv_bytes_per_block, self.blas, self.device = rt.kv_bytes_per_block, rt.blas, rt.device
         self.vocab_size = rt.vocab_size
         self.model_path = str(rt.path)
-        self.token_bytes = token_bytes_table(rt.tokenizer)
-        self.ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
-        parts = Parts(
-            runner=rt.runner,
-            scheduler=rt.scheduler,
-            new_detokenizer=detokenizer_factory(rt.tokenizer, self.token_bytes),
-            ll_tokenizer=self.ll_tokenizer,
-            vocab_size=rt.vocab_size,
-            eos=frozenset(rt.tokenizer.eos_token_ids),
-            kv_bytes_per_block=rt.kv_bytes_per_block,
-        )
-        self._core = EngineCore(self.config, self._inbox, parts, self._step_hook)
+        parts = build_parts(rt)
+        self.token_bytes, self.ll_tokenizer = parts.token_bytes, parts.ll_tokenizer
+        self._core = EngineCore(self.config, self._inbox, parts, self._step_hook, rt.group)
+        if rt.group is not None:
+            self.group_info = rt.group.info
+            watchdog = threading.Thread(
+                target=self._watch_group, name="veloxquant-group-watchdog", daemon=True
+            )
+            watchdog.start()
+
+    def _watch_group(self) -> None:
+        """A turn that waits on the other ranks past ``group_timeout`` (a rank stopped, or the
+        network between them) takes the engine down: its requests fail now, ``alive`` turns
+        False (``/health`` 503, the server exits 1), and the stuck thread is left behind."""
+        core, limit = self._core, self.config.group_timeout
+        assert core is not None
+        while self.alive:
+            time.sleep(min(1.0, limit / 4))
+            since = core.turn_since
+            if since is not None and time.monotonic() - since > limit:
+                log.critical("no answer from the other ranks for %.0f s: the group is dead", limit)
+                core.abandon("a rank of the model's group stopped answering")
+                return
 
     # ------------------------------------------------------------------ callers' API
 
@@ -211,6 +240,10 @@ class Engine:
             QueueFullError: The waiting queue is at ``max_queue``.
         """
         n_prompt = len(request.prompt_tokens)
+        if self.group_info.world_size > 1 and request.sampling.seed is None:
+            # Every rank samples this request: they must draw from the same key.
+            seeded = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
+            request = dataclasses.replace(request, sampling=seeded)
         if not self.ready or self.draining:
             raise self._reject(
                 EngineNotReadyError,
@@ -264,7 +297,12 @@ class Engine:
             raise ValueError(f"stream must be 'k', 'v' or 'kv', got {stream!r}")
         if isinstance(target_free, bool) or not isinstance(target_free, int) or target_free < 0:
             raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
-        return int(self._call(lambda: self._require_core().shrink(stream, target_free), timeout))
+        command = Shrink(stream, target_free)
+        group, scheduler = self.group_info, self._scheduler
+        if group.world_size > 1 and scheduler is not None:  # whole token blocks on every rank
+            per_stream = scheduler.n_layers * (1 if self.config.separate_kv else 2)
+            command = Shrink(stream, -(-target_free // per_stream), in_token_blocks=True)
+        return int(self._call(command, timeout))
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> int:
         """Drop every cached page no request holds (on the engine thread); returns the blocks
@@ -273,7 +311,7 @@ class Engine:
         Raises:
             EngineNotReadyError: If the engine is down.
         """
-        return int(self._call(lambda: self._require_core().reset_prefix_cache(), timeout))
+        return int(self._call(ResetPrefixCache(), timeout))
 
     def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
         """Prompt logprobs (``scoring.prompt_logprobs``), computed on the engine thread between
@@ -292,7 +330,16 @@ class Engine:
                 f"is {len(prompt)} tokens.",
                 "prompt",
             )
-        return list(self._call(lambda: prompt_logprobs(self._model, prompt, top), timeout))
+        return list(self._call(Score(tuple(prompt), top), timeout))
+
+    def group_pools(self, timeout: float = 30.0) -> list[list[int]]:
+        """``[rank, blocks, free, blocks in use, owners]`` for the pool of every rank of the
+        group (one row for a single process), read between steps.
+
+        Raises:
+            EngineNotReadyError: If the engine is down.
+        """
+        return list(self._call(GroupPools(), timeout))
 
     def stats(self) -> EngineStats:
         """A frozen snapshot of the counters and the last published step. Thread-safe."""
@@ -329,17 +376,12 @@ class Engine:
         stats = self.stats()
         return EngineView(stats, None if self.pool is None else PoolView.of(self.pool))
 
-    def _require_core(self) -> EngineCore:
-        if self._core is None:
-            raise EngineNotReadyError("the engine is not running")
-        return self._core
-
-    def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
+    def _call(self, command: Command, timeout: float) -> Any:
         future: Future[Any] = Future()
         ib = self._inbox
         with ib.lock:
             if not self.alive:
                 raise EngineNotReadyError("the engine is not running")
-            ib.commands.append((fn, future))
+            ib.commands.append((command, future))
             ib.lock.notify_all()
         return future.result(timeout)

@@ -23,6 +23,16 @@ class EventSink(Protocol):
     def deliver(self, items: list[tuple[RequestHandle, Sequence[Event]]]) -> None: ...
 
 
+class _Discard:
+    """The sink of requests this rank only computes (another rank answers them)."""
+
+    def deliver(self, items: list[tuple[RequestHandle, Sequence[Event]]]) -> None:
+        pass
+
+
+DISCARD: EventSink = _Discard()
+
+
 class RequestHandle:
     """Events of one submitted request, in order, ending with exactly one FinishEvent.
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from veloxquant_mlx.engine.commands import Command
 from veloxquant_mlx.engine.handle import RequestHandle
 
 
@@ -52,9 +52,7 @@ class Inbox:
         self.lock = threading.Condition()
         self.adds: collections.deque[RequestHandle] = collections.deque()
         self.cancels: set[int] = set()
-        self.commands: collections.deque[tuple[Callable[[], Any], Future[Any]]] = (
-            collections.deque()
-        )
+        self.commands: collections.deque[tuple[Command, Future[Any]]] = collections.deque()
         self.draining = False
         self.drain_deadline: float | None = None
         self.alive = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from veloxquant_mlx.cache.paged import make_kv
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.default_model import ensure_default_model
+from veloxquant_mlx.engine.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.runner import Runner, check_supported
 from veloxquant_mlx.engine.scheduler import Scheduler
 from veloxquant_mlx.engine.sizing import KVGeometry, pool_config, probe_geometry
@@ -48,9 +50,11 @@ def load_tokenizer(path: Path) -> Any:
     return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
 
 
-def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any, str, Path]:
+def load(
+    model: str | None, cache_dir: str | None, dtype: str, group: Group | None = None
+) -> tuple[Any, Any, str, Path]:
     """(model, tokenizer, name, directory) for a local path, or the embedded default model if
-    None.
+    None; with a ``group``, this rank's shard of it (``load_shard``).
 
     ``dtype``: "auto" runs floating weights in float32 on a CPU (MLX's CPU fp16/bf16 matmuls do
     not use BLAS and are 10-50x slower) and keeps them as stored on a GPU; "model" keeps them as
@@ -62,8 +66,11 @@ def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any
     import mlx_lm
 
     path, name = model_path(model, cache_dir)
-    loaded = mlx_lm.load(str(path))
-    net, tokenizer = loaded[0], loaded[1]
+    if group is None:
+        loaded = mlx_lm.load(str(path))
+        net, tokenizer = loaded[0], loaded[1]
+    else:
+        net, tokenizer = load_shard(path, group)
     target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
     if dtype == "auto" and mx.default_device() == mx.cpu:
         target = mx.float32
@@ -71,6 +78,36 @@ def load(model: str | None, cache_dir: str | None, dtype: str) -> tuple[Any, Any
         net.set_dtype(target)
     log.info("loaded %s from %s (dtype %s)", name, path, dtype)
     return net, tokenizer, name, path
+
+
+def load_shard(path: Path, group: Group) -> tuple[Any, Any]:
+    """This rank's shard of the model at ``path``, as ``mlx_lm.utils.sharded_load`` makes it
+    (tensor parallel: ``model.shard``; pipeline: ``model.model.pipeline``), from a local
+    directory: weights load lazily, so a pipeline stage reads only its own layers.
+
+    Raises:
+        ValueError: If the model does not support the group's kind of parallelism.
+    """
+    from mlx_lm.utils import load_model
+
+    net, _ = load_model(path, lazy=True, strict=False)
+    if group.mode == PIPELINE:
+        if not hasattr(getattr(net, "model", None), "pipeline"):
+            raise ValueError(
+                f"{path.name} ({type(net).__module__}) does not support pipeline parallelism; "
+                "run without --pipeline (tensor parallel)"
+            )
+        net.model.pipeline(group.group)
+    else:
+        if not hasattr(net, "shard"):
+            raise ValueError(
+                f"{path.name} ({type(net).__module__}) does not support tensor parallelism"
+                + ("; try --pipeline" if hasattr(getattr(net, "model", None), "pipeline") else "")
+            )
+        net.shard(group.group)
+    mx.eval(net.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group.group))  # every rank loaded
+    return net, load_tokenizer(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +126,7 @@ class Runtime:
     device: str
     vocab_size: int
     path: Path
+    group: Group | None = None
 
 
 def kv_layout(requested: str, geometry: KVGeometry) -> str:
@@ -103,20 +141,26 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
 
-    model, tokenizer, name, path = load(cfg.model, cfg.model_cache_dir, cfg.dtype)
+    group = init_group(cfg.pipeline, cfg.group_timeout) if cfg.distributed else None
+    if group is not None and cfg.grow_on_exhaustion:
+        raise ValueError("--grow-on-exhaustion is not supported across ranks")
+    model, tokenizer, name, path = load(cfg.model, cfg.model_cache_dir, cfg.dtype, group)
     check_supported(model)
     geometry = probe_geometry(model)
-    pool = BlockPoolAllocator(
-        pool_config(
-            geometry,
-            block_size=cfg.block_size,
-            kv_cache_mb=cfg.kv_cache_mb,
-            n_blocks=cfg.n_blocks,
-            separate_kv=cfg.separate_kv,
-            grow_on_exhaustion=cfg.grow_on_exhaustion,
-            max_blocks=cfg.max_blocks,
-        )
+    sizing = pool_config(
+        geometry,
+        block_size=cfg.block_size,
+        kv_cache_mb=cfg.kv_cache_mb,
+        n_blocks=cfg.n_blocks,
+        separate_kv=cfg.separate_kv,
+        grow_on_exhaustion=cfg.grow_on_exhaustion,
+        max_blocks=cfg.max_blocks,
     )
+    if group is not None:  # the same capacity in tokens on every rank: the smallest
+        per_token_block = 2 * geometry.n_layers_total
+        token_blocks = group.min_int(sizing.n_blocks // per_token_block)
+        sizing = dataclasses.replace(sizing, n_blocks=token_blocks * per_token_block)
+    pool = BlockPoolAllocator(sizing)
     per_block = geometry.bytes_per_block(cfg.block_size)
     n_blocks = pool.stats.n_blocks
     scheduler = Scheduler(
@@ -162,4 +206,5 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         device,
         vocab_size,
         path,
+        group,
     )

@@ -39,6 +39,7 @@ from veloxquant_mlx.engine.types import (
     EngineView,
     FinishEvent,
     GenerationRequest,
+    GroupInfo,
     TokenEvent,
     Usage,
 )
@@ -100,6 +101,7 @@ class EngineProcess:
         self.blas = "unknown"
         self.device = "unknown"
         self.vocab_size = 0
+        self.group_info = GroupInfo()  # an engine process is never part of a group
         self.kv_layers = 0
         self.token_bytes: list[bytes] | None = None
         self.ll_tokenizer: Any = None

@@ -262,3 +262,12 @@ def rejection_of(finish: FinishEvent) -> EngineError | None:
         return None
     error = REJECTIONS.get(code.removeprefix(REJECTED), EngineNotReadyError)
     return error(finish.error or "the request was refused")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """What the server shows of the group: ``world_size`` 1 is a single process."""
+
+    world_size: int = 1
+    rank: int = 0
+    mode: str = "none"  # "tensor", "pipeline" or "none"

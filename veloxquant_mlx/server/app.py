@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from veloxquant_mlx import __version__
 from veloxquant_mlx.config import Settings
+from veloxquant_mlx.config.launch import launched_rank
 from veloxquant_mlx.engine.client import EngineClient, start_engine
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.server import (
@@ -49,6 +50,9 @@ def engine_config(settings: Settings) -> EngineConfig:
         stream_interval=settings.stream_interval_ms / 1000,
         # at least a one-token prompt and one block of completion (or the default max_tokens)
         min_request_tokens=1 + (settings.default_max_tokens or settings.block_size),
+        distributed=launched_rank() is not None,
+        pipeline=settings.pipeline,
+        group_timeout=settings.group_timeout,
     )
 
 

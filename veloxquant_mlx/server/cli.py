@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from veloxquant_mlx.blas import ensure_blas
+from veloxquant_mlx.config.launch import launched_rank
 from veloxquant_mlx.config.settings import SettingsError, load_settings
 from veloxquant_mlx.logs import setup_logging
 
@@ -30,6 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(settings.log_format, settings.log_level)
     log = logging.getLogger("veloxquant.server")
     log.info("BLAS: %s", blas)
+    rank = launched_rank()
+    if rank is not None and rank > 0:  # a follower of an mx.distributed group: no HTTP
+        from veloxquant_mlx.engine.follower import run_follower
+        from veloxquant_mlx.server.app import engine_config
+
+        return run_follower(engine_config(settings))
     settings, generated = settings.with_admin_key()
     if generated:
         print(f"veloxquant-serve: admin key for this run: {settings.admin_key}", file=sys.stderr)
@@ -53,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # any case): a model or pool that cannot serve stops here with one line and exit code 3.
     engine = start_engine_for(settings)
     try:
-        engine.wait_ready()
+        engine.wait_ready()  # in a group: exits 1 if the ranks do not join (group.init_group)
     except Exception as exc:
         engine.shutdown(0)
         print(f"veloxquant-serve: cannot start: {exc}", file=sys.stderr)

@@ -42,11 +42,22 @@ class EngineCollector(Collector):
         info = GaugeMetricFamily(
             "veloxquant_build_info",
             "Build and runtime facts (value is always 1).",
-            labels=["version", "model", "blas", "mlx_device"],
+            labels=["version", "model", "blas", "mlx_device", "world_size", "parallel"],
         )
         from veloxquant_mlx import __version__
 
-        info.add_metric([__version__, self.model_name, engine.blas, engine.device], 1)
+        group = engine.group_info
+        info.add_metric(
+            [
+                __version__,
+                self.model_name,
+                engine.blas,
+                engine.device,
+                str(group.world_size),
+                group.mode,
+            ],
+            1,
+        )
         yield info
         yield _gauge("veloxquant_engine_alive", "1 while the engine thread runs.", stats.alive)
         yield _gauge(

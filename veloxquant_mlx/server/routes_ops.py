@@ -67,7 +67,24 @@ async def _pool_view(request: Request) -> dict[str, Any]:
         "stats": as_dict(pool.stats),
         "streams": {s: {"free": pool.free[s], "total": pool.total[s]} for s in pool.free},
         "owners": pool.owners,
+        "group": await _group_view(st),
     }
+
+
+async def _group_view(st: Any) -> dict[str, Any]:
+    """The mx.distributed group: every rank's pool, read between steps, beside rank 0's."""
+    info = st.engine.group_info
+    view: dict[str, Any] = {"world_size": info.world_size, "mode": info.mode}
+    if info.world_size > 1:
+        try:
+            rows = await asyncio.to_thread(st.engine.group_pools)
+        except EngineError as exc:
+            raise from_engine(exc) from None
+        view["ranks"] = [
+            {"rank": r, "blocks": n, "free": free, "in_use": used, "owners": owners}
+            for r, n, free, used, owners in rows
+        ]
+    return view
 
 
 def _prefix_view(stats: Any) -> dict[str, Any]:

@@ -54,9 +54,12 @@ def load_report(st: AppState, view: EngineView, include: set[str]) -> dict[str, 
         }
     if "queues" in include:
         snapshot["queues"] = {"waiting": waiting, "retracted": 0}
+    group = st.engine.group_info
     return {
         "timestamp": datetime.now(UTC).isoformat(),
-        "dp_rank_count": 1,
+        "dp_rank_count": 1,  # a group over mx.distributed is one replica to a router
+        "world_size": group.world_size,
+        "parallel": group.mode,
         "loads": [snapshot],
         "aggregate": {
             "total_running_reqs": running,
