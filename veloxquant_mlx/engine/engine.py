@@ -99,6 +99,7 @@ class Engine:
         self.token_bytes: list[bytes] | None = None
         self.ll_tokenizer: Any = None
         self.group_info = GroupInfo()
+        self._abandoned = False  # the group watchdog gave up on the engine thread
         self._scheduler: Scheduler | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,7 +151,7 @@ class Engine:
                 ib.draining = True
                 ib.drain_deadline = time.monotonic() + max(0.0, drain_timeout)
             ib.lock.notify_all()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and not self._abandoned:  # a stuck thread never returns
             self._thread.join(max(0.0, drain_timeout) + 30.0)
 
     # ------------------------------------------------------------------ engine thread
@@ -212,6 +213,7 @@ class Engine:
             since = core.turn_since
             if since is not None and time.monotonic() - since > limit:
                 log.critical("no answer from the other ranks for %.0f s: the group is dead", limit)
+                self._abandoned = True
                 core.abandon("a rank of the model's group stopped answering")
                 return
 

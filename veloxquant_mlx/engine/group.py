@@ -57,23 +57,30 @@ class Group:
             payload = mx.array(np.frombuffer(data, dtype=np.uint8))
             mx.eval(mx.distributed.all_sum(payload, group=g))
             return turn
-        size = int(np.array(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=g)))
+        size = int(_evaluated(mx.distributed.all_sum(mx.array(0, dtype=mx.int32), group=g)))
         if not size:
             return None
         received = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=g)
-        shared: Turn = pickle.loads(np.array(received).tobytes())
+        shared: Turn = pickle.loads(_evaluated(received).tobytes())
         return shared
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
         out = mx.distributed.all_min(mx.array(value, dtype=mx.int64), group=self.group)
-        return int(np.array(out))
+        return int(_evaluated(out))
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank), in rank order."""
         out = mx.distributed.all_gather(mx.array([values], dtype=mx.int64), group=self.group)
-        rows: list[list[int]] = out.tolist()  # type: ignore[assignment]
+        rows: list[list[int]] = _evaluated(out).tolist()
         return rows
+
+
+def _evaluated(x: mx.array) -> np.ndarray:
+    """``x`` as numpy, evaluated by ``mx.eval`` first: a failed collective raises there (read
+    through numpy unevaluated, it gives zeros instead)."""
+    mx.eval(x)
+    return np.array(x)
 
 
 def init_group(pipeline: bool, join_timeout: float) -> Group | None:
