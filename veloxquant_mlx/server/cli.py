@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from veloxquant_mlx.blas import ensure_blas
-from veloxquant_mlx.config.launch import launched_rank
+from veloxquant_mlx.config.launch import launched_rank, share_cpu_threads
 from veloxquant_mlx.config.settings import SettingsError, load_settings
 from veloxquant_mlx.logs import setup_logging
 
@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(exc.code, file=sys.stderr)
         return 2
+    threads = share_cpu_threads()  # before the BLAS loads (ensure_blas may re-execute)
     try:
         blas = ensure_blas(
             settings.blas, gemv=settings.blas_gemv
@@ -31,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(settings.log_format, settings.log_level)
     log = logging.getLogger("veloxquant.server")
     log.info("BLAS: %s", blas)
+    if threads is not None:
+        log.info("BLAS threads per rank: %d (ranks share this host's cores)", threads)
     rank = launched_rank()
     if rank is not None and rank > 0:  # a follower of an mx.distributed group: no HTTP
         from veloxquant_mlx.engine.follower import run_follower
