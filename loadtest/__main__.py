@@ -21,6 +21,7 @@ import httpx
 
 from loadtest.probe import Probe
 from loadtest.runner import Scenario, check_loopback, run
+from loadtest.split import run_split
 from loadtest.stats import Record, Summary, markdown, summarize
 
 
@@ -59,6 +60,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: per-token bound, s")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="closed loop: split each level over this many client processes (one Python "
+        "client tops out near 4,000 streamed tok/s; loadtest/split.py)",
+    )
     p.add_argument("--api-key")
     p.add_argument("--json", help="write every summary here")
     p.add_argument("--records", help="write every request (start, TTFT, E2E, tokens, status) here")
@@ -109,7 +117,10 @@ async def level(
     async with httpx.AsyncClient(limits=limits, timeout=sc.request_timeout) as client:
         probe = Probe(sc.base_url, interval=args.scrape_interval)
         ours = await probe.start(client)
-        records, wall = await run(client, sc, label)
+        if args.processes > 1 and sc.rate is None:
+            records, wall = await run_split(sc, label, args.processes)
+        else:
+            records, wall = await run(client, sc, label)
         summary = summarize(label, records, wall, args.slo_ttft, args.slo_tpot, ramp_up=concurrency)
         if records_out is not None:
             records_out.extend(records)

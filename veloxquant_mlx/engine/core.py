@@ -268,6 +268,8 @@ class EngineCore:
         for sampled in [*self._inflight, *results]:
             self._absorb(sampled)
         self._inflight = [launched] if launched is not None else []
+        if launched is None:
+            runner.flush()
         if self._faulted:
             self._faulted.clear()
             for seq in [s for s in list(self._live.values()) if s.state is not None]:
@@ -325,7 +327,7 @@ class EngineCore:
                     (mx.contiguous(k[:, :, i * bs : end]), mx.contiguous(v[:, :, i * bs : end]))
                     for k, v in layers
                 ]
-                mx.async_eval([x for pair in span for x in pair])
+                self.runner.defer([x for pair in span for x in pair])
                 region.append((i, span))
             first, span = region[0]
             return span, i - first

@@ -89,6 +89,7 @@ class Runner:
         self.block_size = block_size
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
+        self._deferred: list[mx.array] = []  # evaluated with the next launch
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
@@ -110,8 +111,8 @@ class Runner:
         chunk = mx.array([tokens[seq.n_kv : seq.n_kv + n]])
         logits = self.model(chunk, cache=state.caches)
         seq.n_kv += n
-        if seq.n_kv < len(tokens):
-            mx.eval([(c.keys, c.values) for c in state.caches])
+        if seq.n_kv < len(tokens):  # the next chunk builds on these: start them now
+            mx.async_eval([(c.keys, c.values) for c in state.caches])
             return n, None
         state.context = TokenBuffer(tokens) if state.processors else None
         context = mx.array(tokens, dtype=mx.int32) if state.processors else None
@@ -214,10 +215,24 @@ class Runner:
         self._last = sampled
         return sampled
 
-    @staticmethod
-    def launch(sampled: Sampled) -> None:
-        """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later)."""
-        mx.async_eval(sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]))
+    def launch(self, sampled: Sampled) -> None:
+        """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later),
+        with whatever was deferred to it (``defer``)."""
+        extra, self._deferred = self._deferred, []
+        mx.async_eval(
+            sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]), *extra
+        )
+
+    def defer(self, arrays: list[mx.array]) -> None:
+        """Evaluate ``arrays`` with the next launch (``flush`` if none comes): one evaluation
+        call per step instead of one more per joining row."""
+        self._deferred.extend(arrays)
+
+    def flush(self) -> None:
+        """Start evaluating what was deferred, when no step is launched to carry it."""
+        if self._deferred:
+            extra, self._deferred = self._deferred, []
+            mx.async_eval(extra)
 
     def _sample(
         self, seqs: list[Seq | None], logits: mx.array, contexts: list[mx.array | None]
