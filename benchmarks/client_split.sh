@@ -21,7 +21,7 @@ done
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
   --max-tokens "$tokens" --no-leak-check --scrape-interval 1000 "$@"; }
 load --concurrency 8 --requests 32 > /dev/null
-for k in 1 2 4; do
+for k in ${SPLITS:-1 2 4}; do
   pids=""
   start=$(date +%s.%N)
   for i in $(seq 1 $k); do

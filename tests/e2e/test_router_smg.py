@@ -1,7 +1,8 @@
 """Two replicas behind a real SMG router (PyPI ``smg``), all on loopback: they join it by
 themselves (``--register-with``), the router health-checks ``/ready`` and reads ``/v1/loads``
 (a shrink shows in its view), requests sharing a prefix go to the replica that has it cached,
-and a draining replica leaves the router and gets no more traffic. Pools all free at the end."""
+a draining replica leaves the router and gets no more traffic, and one shrunk below a single
+request is taken out of rotation by the router's health check. Pools all free at the end."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
     a = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks", "4000")
     b = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks", "4000",
                      "--api-key", KEY)  # fmt: skip
+    started: list[Server] = []
     try:
         seen = until(lambda: len(workers(router)) == 2 and workers(router), 30, "2 workers")
         assert set(seen) == {a.base_url, b.base_url}
@@ -118,8 +120,24 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
         assert finished(b) == before + 6
         assert a.process.wait(30) == 0, a.log()
         assert "deregistered" in a.log()
+
+        # a replica shrunk below one request turns /ready 503: the router's health check takes
+        # it out of rotation and every request goes to the other one
+        c = start_server(tmp_path, "--register-with", router, "--blas", "off", "--n-blocks",
+                         "4000")  # fmt: skip
+        started.append(c)
+        until(lambda: set(workers(router)) == {b.base_url, c.base_url}, 30, "c registered")
+        r = httpx.post(f"{c.base_url}/admin/pool/shrink", headers=auth, timeout=30,
+                       json={"stream": "kv", "target_free": 0})  # fmt: skip
+        assert r.status_code == 200, r.text
+        until(lambda: set(workers(router)) == {b.base_url}, 30, "c out of rotation")
+        before = finished(b)
+        for i in range(6):
+            complete(router, f"After the shrink, question {i}?")
+        assert finished(b) == before + 6 and finished(c) == 0
+        assert stop_server(c) == 0, c.log()
         b.wait_pool_free()
     finally:
-        for server in (a, b):
+        for server in (a, b, *started):
             if server.process.poll() is None:
                 stop_server(server)

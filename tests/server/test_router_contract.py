@@ -83,6 +83,25 @@ async def test_loads_follow_the_engine_and_a_shrink(client_for):
     assert after["num_running_reqs"] == after["num_used_tokens"] == 0
 
 
+async def test_a_pool_shrunk_below_one_request_is_not_ready(client_for):
+    """/ready is what routers health-check: a replica that can no longer hold its smallest
+    request (a one-token prompt and one block of completion) answers 503, so the router
+    sends its traffic elsewhere; a smaller shrink leaves it ready."""
+    client = await client_for(n_blocks=4096)
+    assert (await client.get("/ready")).status_code == 200
+    r = await client.post("/admin/pool/shrink", json={"stream": "kv", "target_free": 64},
+                          headers=AUTH)  # fmt: skip
+    assert r.status_code == 200
+    assert (await client.get("/ready")).status_code == 200  # 64 per stream: 16 token blocks
+    r = await client.post("/admin/pool/shrink", json={"stream": "kv", "target_free": 4},
+                          headers=AUTH)  # fmt: skip
+    assert r.status_code == 200
+    r = await client.get("/ready")
+    assert r.status_code == 503 and r.headers["retry-after"] == "30"
+    assert r.json()["error"]["code"] == "capacity_reduced"
+    assert (await client.get("/health")).status_code == 200  # alive: nothing to restart
+
+
 def test_the_rate_window_is_tokens_per_second_over_its_window():
     rate = RateWindow(window=10.0)
     assert rate.update(0, now=100.0) == 0.0

@@ -6,7 +6,8 @@ rank; we are one rank). Tokens are the pool's, as it is now: capacity after any 
 the blocks running requests hold (a token block is ``2 x layers`` pool blocks: K and V of every
 layer), so a shrunk or busy replica reports less room and a router sends its traffic elsewhere.
 Cached blocks no request holds are free to any allocation (evicted first) and do not count as
-used. Health for routers is ``GET /ready`` (503 while loading or draining), never ``/health``.
+used. Health for routers is ``GET /ready`` (503 while loading or draining, or with the pool
+shrunk below one request), never ``/health``.
 """
 
 from __future__ import annotations
