@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from veloxquant_mlx.config import Settings
+from veloxquant_mlx.config.settings import load_settings
 from veloxquant_mlx.server.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,3 +152,29 @@ def test_the_fleet_compose_validates_and_its_replicas_settings_load():
         settings = Settings(**{k[3:].lower(): v for k, v in variables.items()})
         assert settings.register_with == "http://router:30000"
         assert settings.advertise_url == f"http://{name}:8000"
+
+
+def test_the_kubernetes_example_loads_and_names_exported_metrics(exported, tmp_path):
+    """deploy/kubernetes: the server's flags are real settings, the probes are /ready and
+    /health, the grace period outlasts the drain, and every metric the endpoint picker and
+    KEDA read is one the server exports."""
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "veloxquant.yaml").read_text()))
+    kinds = {d["kind"] for d in docs}
+    assert kinds == {"Deployment", "InferencePool", "Service", "ScaledObject"}
+    serve = next(
+        d for d in docs if d["metadata"]["name"] == "veloxquant" and d["kind"] == "Deployment"
+    )
+    pod = serve["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = list(container["args"])
+    args[args.index("--model") + 1] = str(tmp_path)  # the example's path is the cluster's
+    settings = load_settings(args)
+    assert pod["terminationGracePeriodSeconds"] > settings.drain_timeout
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    pool = next(d for d in docs if d["kind"] == "InferencePool")
+    assert pool["spec"]["targetPorts"][0]["number"] == settings.port
+    assert pool["spec"]["selector"]["matchLabels"] == serve["spec"]["selector"]["matchLabels"]
+    referenced = set(METRIC.findall((DEPLOY / "kubernetes" / "veloxquant.yaml").read_text()))
+    assert {"veloxquant_requests_waiting", "veloxquant_kv_cache_usage_ratio"} <= referenced
+    assert referenced <= exported, referenced - exported
