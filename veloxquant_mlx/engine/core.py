@@ -13,14 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.engine.commands import (
-    EMPTY,
     Command,
     GroupPools,
     ResetPrefixCache,
@@ -33,13 +31,14 @@ from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.grammar import GrammarProcessor
 from veloxquant_mlx.engine.group import Group
-from veloxquant_mlx.engine.handle import DISCARD, RequestHandle
+from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox, Snapshot
 from veloxquant_mlx.engine.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
 from veloxquant_mlx.engine.scheduler import Scheduler, Seq
 from veloxquant_mlx.engine.scoring import prompt_logprobs
+from veloxquant_mlx.engine.turns import TurnSource
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
@@ -81,11 +80,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.group = group
-        # When the current turn began waiting on the other ranks or stepping (watchdogs read
-        # it from other threads; None between turns).
-        self.turn_since: float | None = None
-        self._handles: dict[int, RequestHandle] = {}  # taken from the inbox, not yet applied
-        self._futures: list[Future[Any]] = []  # the taken commands' answers, in order
+        self.turns = TurnSource(inbox, group, config.heartbeat)
         self.inbox = inbox
         self.runner = parts.runner
         self.scheduler = parts.scheduler
@@ -99,9 +94,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ loop
 
+    @property
+    def turn_since(self) -> float | None:
+        """When the current turn began waiting on the other ranks (watchdogs read it)."""
+        return self.turns.since
+
+    def _busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
     def run(self) -> None:
         while True:
-            turn = self._next_turn()
+            turn = self.turns.next(self._busy)
             if turn is not None:
                 self._apply(turn)
                 if turn.draining and self._finish_draining(turn.drain_expired):
@@ -110,80 +113,15 @@ class EngineCore:
                 if self._step_hook is not None:
                     self._step_hook()
                 self._turn()
-            self.turn_since = None
+            self.turns.since = None
             if self._changed:
                 self._publish()
 
-    def _next_turn(self) -> Turn | None:
-        """This turn's input: from the inbox (rank 0 broadcasts it to a group), or from rank 0
-        (the other ranks). None: nothing new."""
-        group = self.group
-        if group is not None and not group.leader:
-            self.turn_since = time.monotonic()
-            return group.share(None)
-        ib = self.inbox
-        turn = None
-        busy = self.scheduler.running or self.scheduler.waiting
-        if ib.adds or ib.cancels or ib.commands or ib.draining or not busy:
-            turn = self._take_inbox(None if group is None else self.config.heartbeat)
-        if group is not None:
-            self.turn_since = time.monotonic()
-            group.share(turn)
-        return turn
-
-    def _take_inbox(self, timeout: float | None) -> Turn:
-        """What callers sent, waiting for something while idle (at most ``timeout``)."""
-        ib = self.inbox
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with ib.lock:
-            while not (
-                ib.adds
-                or ib.cancels
-                or ib.commands
-                or ib.draining
-                or self.scheduler.running
-                or self.scheduler.waiting
-            ):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return EMPTY
-                ib.lock.wait(left)
-            adds = list(ib.adds)
-            ib.adds.clear()
-            cancels, ib.cancels = ib.cancels, set()
-            commands = list(ib.commands)
-            ib.commands.clear()
-            draining, deadline = ib.draining, ib.drain_deadline
-        for handle in adds:
-            self._handles[handle.request_id] = handle
-        self._futures = [future for _, future in commands]
-        return Turn(
-            adds=tuple((h.request_id, h.request) for h in adds),
-            cancels=tuple(sorted(cancels)),
-            commands=tuple(command for command, _ in commands),
-            draining=draining,
-            drain_expired=draining and deadline is not None and time.monotonic() >= deadline,
-        )
-
     def _apply(self, turn: Turn) -> None:
         """Apply one turn's input: commands, then new requests, then cancels."""
-        futures, self._futures = self._futures, []
-        for i, command in enumerate(turn.commands):
-            future = futures[i] if i < len(futures) else None
-            try:
-                result = self.execute(command)
-            except BaseException as exc:
-                if future is None:
-                    log.info("command %s failed on this rank: %s", command, exc)
-                else:
-                    future.set_exception(exc)
-            else:
-                if future is not None:
-                    future.set_result(result)
+        self.turns.run_commands(turn, self.execute)
         for request_id, request in turn.adds:
-            handle = self._handles.pop(request_id, None)
-            if handle is None:  # another rank's request: this rank only computes it
-                handle = RequestHandle(request_id, request, DISCARD)
+            handle = self.turns.handle(request_id, request)
             seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
             self._live[request_id] = seq
             self.scheduler.waiting.append(seq)
@@ -310,29 +248,9 @@ class EngineCore:
     # ------------------------------------------------------------------ prefix cache
 
     def _cache_prompt(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> None:
-        """A prefilled row joined: cache its prompt's full pages. The dense layout keeps one
-        copy per layer and stream of the new pages' span (pages point into it: a few copies
-        per request, not one per page and layer)."""
-        if self.scheduler.cache is None:
-            return
-        bs = self.scheduler.block_size
-        region: list[Any] = []  # [(first page index, [(k, v) per layer])]
-
-        def kv_of(i: int) -> Any:
-            if self.runner.kv.keeps_pages:
-                return None
-            if not region:
-                end = seq.n_kv // bs * bs
-                span = [
-                    (mx.contiguous(k[:, :, i * bs : end]), mx.contiguous(v[:, :, i * bs : end]))
-                    for k, v in layers
-                ]
-                self.runner.defer([x for pair in span for x in pair])
-                region.append((i, span))
-            first, span = region[0]
-            return span, i - first
-
-        self.scheduler.register(seq, seq.n_kv, kv_of)
+        """A prefilled row joined: cache its prompt's full pages (``Runner.page_source``)."""
+        if self.scheduler.cache is not None:
+            self.scheduler.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
 
     def _cache_row(self, seq: Seq) -> None:
         """A row leaves (finish or preemption): cache the full pages it generated, where the
@@ -526,28 +444,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         self._changed = False
-        sched = self.scheduler
-        cache = None if sched.cache is None else sched.cache.refresh_counts()
-        extra: dict[str, Any] = {}
-        if cache is not None:
-            extra = {
-                "prefix_caching": True,
-                "cached_blocks": cache.blocks,
-                "evictable_blocks": cache.evictable_blocks,
-                "prefix_queries": cache.queries,
-                "prefix_hits": cache.hits,
-                "prefix_evictions": cache.evictions,
-            }
-        snap = Snapshot(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            blocks_in_use=sched.blocks_in_use(),
-            preemptions=sched.preemptions,
-            kv_layout=self.runner.kv.kind,
-            kv_working_bytes=self.runner.kv.nbytes(),
-            waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
-            **extra,
-        )
+        snap = Snapshot.of(self.scheduler, self.runner)
         with self.inbox.lock:
             self.inbox.snapshot = snap
             self.inbox.n_waiting = snap.waiting
@@ -568,10 +465,9 @@ class EngineCore:
             ib.adds.clear()
             commands = list(ib.commands)
             ib.commands.clear()
-        taken, self._handles = list(self._handles.values()), {}
+        taken, futures = self.turns.take_unapplied()
         for h in [*taken, *adds]:
             self.push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
-        futures, self._futures = self._futures, []
         for future in [*futures, *(f for _, f in commands)]:
             if not future.done():
                 future.set_exception(EngineNotReadyError(message))
@@ -585,7 +481,8 @@ class EngineCore:
             adds = list(self.inbox.adds)
             self.inbox.adds.clear()
         handles = [s.handle for s in list(self._live.values())]
-        for handle in [*handles, *list(self._handles.values()), *adds]:
+        taken, _ = self.turns.take_unapplied()
+        for handle in [*handles, *taken, *adds]:
             if not handle.done:
                 self.push_finish(handle, "error", 0, 0, error=message, code=ENGINE_FAILED)
 

@@ -6,10 +6,14 @@ import collections
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from veloxquant_mlx.engine.commands import Command
 from veloxquant_mlx.engine.handle import RequestHandle
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.runner import Runner
+    from veloxquant_mlx.engine.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -40,6 +44,31 @@ class Snapshot:
     prefix_hits: int = 0  # of them, found cached
     prefix_evictions: int = 0  # pages evicted
     waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet in their KV
+
+    @classmethod
+    def of(cls, sched: Scheduler, runner: Runner) -> Snapshot:
+        """The engine as it is after a turn (engine thread)."""
+        cache = None if sched.cache is None else sched.cache.refresh_counts()
+        extra: dict[str, Any] = {}
+        if cache is not None:
+            extra = {
+                "prefix_caching": True,
+                "cached_blocks": cache.blocks,
+                "evictable_blocks": cache.evictable_blocks,
+                "prefix_queries": cache.queries,
+                "prefix_hits": cache.hits,
+                "prefix_evictions": cache.evictions,
+            }
+        return cls(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            blocks_in_use=sched.blocks_in_use(),
+            preemptions=sched.preemptions,
+            kv_layout=runner.kv.kind,
+            kv_working_bytes=runner.kv.nbytes(),
+            waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
+            **extra,
+        )
 
 
 class Inbox:

@@ -174,6 +174,31 @@ class Runner:
         if self.on_join is not None:
             self.on_join(seq, layers)
 
+    def page_source(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> Any:
+        """What the prefix cache keeps for the joined ``seq``'s page ``i`` (``kv_of(i)``):
+        nothing where the layout keeps pages in the pool's blocks (paged); in the dense layout,
+        one copy per layer and stream of the new pages' span, made on the first call and
+        evaluated with the next launch (pages point into it: a few copies per request, not one
+        per page and layer)."""
+        bs = self.block_size
+        region: list[Any] = []  # [(first page index, [(k, v) per layer])]
+
+        def kv_of(i: int) -> Any:
+            if self.kv.keeps_pages:
+                return None
+            if not region:
+                end = seq.n_kv // bs * bs
+                span = [
+                    (mx.contiguous(k[:, :, i * bs : end]), mx.contiguous(v[:, :, i * bs : end]))
+                    for k, v in layers
+                ]
+                self.defer([x for pair in span for x in pair])
+                region.append((i, span))
+            first, span = region[0]
+            return span, i - first
+
+        return kv_of
+
     # ------------------------------------------------------------------ decode
 
     def grew(self, seq: Seq, old_blocks: int) -> None:
