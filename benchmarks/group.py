@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,20 +27,13 @@ from typing import Any
 import httpx
 
 from loadtest.__main__ import level, parse
-from loadtest.proc import free_port, server, stop
+from loadtest.proc import free_port, ring_hostfile, server, stop
 
 
 @contextmanager
 def group_server(cmd: list[str], port: int, ranks: int, out: Path):
     """``cmd`` as ``ranks`` ranks of one ring group on loopback; rank 0 serves on ``port``."""
-    sockets = [socket.socket() for _ in range(ranks)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    hosts = [[f"127.0.0.1:{s.getsockname()[1]}"] for s in sockets]
-    for s in sockets:
-        s.close()
-    hostfile = out / "hosts.json"
-    hostfile.write_text(json.dumps(hosts))
+    hostfile = ring_hostfile(out, ranks)
     procs: list[subprocess.Popen] = []
     try:
         for rank in reversed(range(ranks)):

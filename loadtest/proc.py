@@ -3,6 +3,7 @@ fields, and a server context that waits for ``/v1/models`` and stops the process
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ring_hostfile(directory: Path, n: int) -> Path:
+    """A hostfile for ``n`` ranks of MLX's ring backend on free 127.0.0.1 ports, in the format
+    ``mlx.launch`` writes (one list of "ip:port" per rank): set ``MLX_HOSTFILE`` to it and
+    ``MLX_RANK`` per process."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+    path = directory / f"hosts-{ports[0]}.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return path
 
 
 def _tree(pid: int) -> list[int]:

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-from contextlib import closing
 from pathlib import Path
 
-
-def ring_hostfile(tmp_path: Path, n: int) -> Path:
-    """A ring hostfile for ``n`` ranks on free 127.0.0.1 ports (mlx.launch's format)."""
-    ports = []
-    sockets = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-        ports.append(s.getsockname()[1])
-    for s in sockets:
-        with closing(s):
-            pass
-    path = tmp_path / f"hosts-{ports[0]}.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    return path
+from loadtest.proc import ring_hostfile
 
 
 def rank_env(hostfile: Path, rank: int) -> dict[str, str]:

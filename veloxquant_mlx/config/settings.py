@@ -189,13 +189,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 8 characters")
         return self
 
-    @property
-    def min_request_tokens(self) -> int:
-        """The smallest request the pool must hold to serve at all (else the server does not
-        start, and a pool shrunk below it is not ready): a one-token prompt and one block of
-        completion, or the default max_tokens."""
-        return 1 + (self.default_max_tokens or self.block_size)
-
     def with_admin_key(self) -> tuple[Settings, bool]:
         """These settings with an admin key (a random one if unset) and whether it was made."""
         if self.admin_key:

@@ -90,14 +90,10 @@ class EngineCore:
         self._live: dict[int, Seq] = {}  # request id -> every admitted or queued request
         self._inflight: list[Sampled] = []  # launched, not read back
         self._changed = True
+        self._holds_a_request = True  # checked at load; only a shrink can change it
         self.runner.on_join = self._cache_prompt
 
     # ------------------------------------------------------------------ loop
-
-    @property
-    def turn_since(self) -> float | None:
-        """When the current turn began waiting on the other ranks (watchdogs read it)."""
-        return self.turns.since
 
     def _busy(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -413,8 +409,7 @@ class EngineCore:
         token blocks (commands.Shrink)."""
         pool = self.scheduler.pool
         if in_token_blocks:
-            per_stream = self.scheduler.n_layers * (1 if self.config.separate_kv else 2)
-            target_free *= per_stream
+            target_free *= self.scheduler.blocks_per_token_block
         if self.scheduler.reset_cache():
             self._changed = True
         streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
@@ -422,10 +417,11 @@ class EngineCore:
         for s in streams:
             retired += pool.shrink(s if self.config.separate_kv else "kv", target_free)
         if retired:
+            self._holds_a_request = self.scheduler.could_ever_fit(self.config.min_request_tokens)
             for seq in [s for s in self.scheduler.waiting]:
                 if not self.scheduler.could_ever_fit(len(seq.tokens) + 1):
                     self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
-            self._changed = True
+            self._publish()  # before the caller hears back: /ready and /v1/loads show it
         return retired
 
     def group_pools(self) -> list[list[int]]:
@@ -444,7 +440,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         self._changed = False
-        snap = Snapshot.of(self.scheduler, self.runner)
+        snap = Snapshot.of(self.scheduler, self.runner, self._holds_a_request)
         with self.inbox.lock:
             self.inbox.snapshot = snap
             self.inbox.n_waiting = snap.waiting

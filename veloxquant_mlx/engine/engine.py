@@ -29,6 +29,7 @@ from veloxquant_mlx.engine.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox
 from veloxquant_mlx.engine.scheduler import Scheduler
 from veloxquant_mlx.engine.sizing import KVGeometry
+from veloxquant_mlx.engine.turns import wait_for_stall
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
     EngineError,
@@ -208,14 +209,10 @@ class Engine:
         False (``/health`` 503, the server exits 1), and the stuck thread is left behind."""
         core, limit = self._core, self.config.group_timeout
         assert core is not None
-        while self.alive:
-            time.sleep(min(1.0, limit / 4))
-            since = core.turn_since
-            if since is not None and time.monotonic() - since > limit:
-                log.critical("no answer from the other ranks for %.0f s: the group is dead", limit)
-                self._abandoned = True
-                core.abandon("a rank of the model's group stopped answering")
-                return
+        if wait_for_stall(core.turns, limit, lambda: self.alive):
+            log.critical("no answer from the other ranks for %.0f s: the group is dead", limit)
+            self._abandoned = True
+            core.abandon("a rank of the model's group stopped answering")
 
     # ------------------------------------------------------------------ callers' API
 
@@ -302,8 +299,8 @@ class Engine:
         command = Shrink(stream, target_free)
         group, scheduler = self.group_info, self._scheduler
         if group.world_size > 1 and scheduler is not None:  # whole token blocks on every rank
-            per_stream = scheduler.n_layers * (1 if self.config.separate_kv else 2)
-            command = Shrink(stream, -(-target_free // per_stream), in_token_blocks=True)
+            unit = scheduler.blocks_per_token_block
+            command = Shrink(stream, -(-target_free // unit), in_token_blocks=True)
         return int(self._call(command, timeout))
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> int:
@@ -371,6 +368,7 @@ class Engine:
                 prefix_hits_total=snap.prefix_hits,
                 prefix_evictions_total=snap.prefix_evictions,
                 waiting_tokens=snap.waiting_tokens,
+                holds_a_request=snap.holds_a_request,
             )
 
     def view(self) -> EngineView:

@@ -13,13 +13,13 @@ import logging
 import os
 import signal
 import threading
-import time
 
 from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.core import EngineCore
 from veloxquant_mlx.engine.engine import build_parts
 from veloxquant_mlx.engine.inbox import Inbox
+from veloxquant_mlx.engine.turns import wait_for_stall
 
 log = logging.getLogger("veloxquant.group")
 
@@ -60,10 +60,7 @@ def run_follower(config: EngineConfig) -> int:
 def _watch(core: EngineCore, limit: float) -> None:
     """Exit the process when one turn has waited on the group past ``limit`` seconds: rank 0
     (or a peer) stopped without closing its connections."""
-    while True:
-        time.sleep(min(1.0, limit / 4))
-        since = core.turn_since
-        if since is not None and time.monotonic() - since > limit:
-            log.critical("no turn from rank 0 for %.0f s: the group is dead; exiting", limit)
-            logging.shutdown()
-            os._exit(1)
+    if wait_for_stall(core.turns, limit, lambda: True):
+        log.critical("no turn from rank 0 for %.0f s: the group is dead; exiting", limit)
+        logging.shutdown()
+        os._exit(1)

@@ -44,9 +44,10 @@ class Snapshot:
     prefix_hits: int = 0  # of them, found cached
     prefix_evictions: int = 0  # pages evicted
     waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet in their KV
+    holds_a_request: bool = True  # the pool as shrunk still holds the smallest request
 
     @classmethod
-    def of(cls, sched: Scheduler, runner: Runner) -> Snapshot:
+    def of(cls, sched: Scheduler, runner: Runner, holds_a_request: bool) -> Snapshot:
         """The engine as it is after a turn (engine thread)."""
         cache = None if sched.cache is None else sched.cache.refresh_counts()
         extra: dict[str, Any] = {}
@@ -67,6 +68,7 @@ class Snapshot:
             kv_layout=runner.kv.kind,
             kv_working_bytes=runner.kv.nbytes(),
             waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
+            holds_a_request=holds_a_request,
             **extra,
         )
 

@@ -92,6 +92,12 @@ class Scheduler:
     def _streams(self) -> tuple[str, ...]:
         return ("k", "v") if self.pool.config.separate_kv else ("kv",)
 
+    @property
+    def blocks_per_token_block(self) -> int:
+        """Blocks of one pool stream that ``block_size`` tokens take: K or V of every layer
+        (both, when K and V share one stream)."""
+        return self.n_layers * (1 if self.pool.config.separate_kv else 2)
+
     def could_ever_fit(self, n_tokens: int) -> bool:
         """Whether one request of ``n_tokens`` tokens fits the pool alone, as it is now."""
         return self._fits_totals(n_tokens, {s: self._max_total(s) for s in self._streams()})

@@ -23,6 +23,17 @@ from veloxquant_mlx.engine.types import GenerationRequest
 log = logging.getLogger("veloxquant.engine")
 
 
+def wait_for_stall(turns: TurnSource, limit: float, watching: Callable[[], bool]) -> bool:
+    """Block until one turn has waited on the other ranks past ``limit`` seconds (True: the
+    group is dead) or ``watching()`` turns false (False). A watchdog thread's loop."""
+    while watching():
+        time.sleep(min(1.0, limit / 4))
+        since = turns.since
+        if since is not None and time.monotonic() - since > limit:
+            return True
+    return False
+
+
 class TurnSource:
     """The input of every turn. ``since`` (read by watchdogs from other threads): when the
     current turn began waiting on the other ranks, None between turns."""

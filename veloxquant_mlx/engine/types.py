@@ -204,6 +204,9 @@ class EngineStats:
     prefix_hits_total: int = 0  # of them, found cached
     prefix_evictions_total: int = 0  # cached pages evicted (pressure, shrink, reset)
     waiting_tokens: int = 0  # prompt tokens the waiting requests still have to prefill
+    # False once a shrink left the pool unable to hold the smallest request the engine was
+    # started to serve (``EngineConfig.min_request_tokens``): /ready then answers 503
+    holds_a_request: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_layout=settings.kv_layout,
         prefix_caching=settings.prefix_caching,
         stream_interval=settings.stream_interval_ms / 1000,
-        min_request_tokens=settings.min_request_tokens,
+        # at least a one-token prompt and one block of completion (or the default max_tokens)
+        min_request_tokens=1 + (settings.default_max_tokens or settings.block_size),
         distributed=launched_rank() is not None,
         pipeline=settings.pipeline,
         group_timeout=settings.group_timeout,

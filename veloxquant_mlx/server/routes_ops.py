@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from veloxquant_mlx.engine.types import EngineError, EngineView
+from veloxquant_mlx.engine.types import EngineError
 from veloxquant_mlx.server.deps import state
 from veloxquant_mlx.server.errors import APIError, error_body, from_engine
 from veloxquant_mlx.server.metrics import as_dict
@@ -42,25 +42,14 @@ async def ready(request: Request) -> Any:
             status_code=503,
             headers={"Retry-After": "5"},
         )
-    view = await asyncio.to_thread(st.engine.view)
-    if not holds_a_request(view, st.engine.kv_layers, st.settings.min_request_tokens):
-        return JSONResponse(  # shrunk below one request: a router should send elsewhere
+    stats = await asyncio.to_thread(st.engine.stats)  # a round trip to an engine process
+    if not stats.holds_a_request:  # shrunk below one request: a router should send elsewhere
+        return JSONResponse(
             error_body(503, "the KV pool has been shrunk below one request", "capacity_reduced"),
             status_code=503,
             headers={"Retry-After": "30"},
         )
     return {"status": "ready", "model": st.model_name}
-
-
-def holds_a_request(view: EngineView, kv_layers: int, n_tokens: int) -> bool:
-    """Whether the pool as it is now (after any shrink) could hold one request of
-    ``n_tokens`` alone: the smallest request the server was started to serve."""
-    pool = view.pool
-    if pool is None:
-        return False
-    per_layer = -(-n_tokens // pool.block_size) * max(1, kv_layers)
-    need = per_layer if pool.separate_kv else 2 * per_layer
-    return all(total >= need for total in pool.total.values())
 
 
 @router.get("/metrics")
