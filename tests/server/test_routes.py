@@ -95,6 +95,25 @@ async def test_chat_completion_and_its_logprobs(client):
     assert all(len(c["top_logprobs"]) == 2 for c in content)
 
 
+async def test_an_eos_finish_has_one_logprobs_entry_per_counted_token(client):
+    eos = client.engine.tokenizer.eos_token_id
+    forced = {**CHAT, "logit_bias": {str(eos): 100.0}, "logprobs": True, "top_logprobs": 1}
+    body = (await client.post("/v1/chat/completions", json=forced)).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    assert body["usage"]["completion_tokens"] == 1
+    (entry,) = choice["logprobs"]["content"]
+    assert entry["logprob"] <= 0 and entry["top_logprobs"][0]["logprob"] >= entry["logprob"]
+    streamed = await client.post("/v1/chat/completions", json={**forced, "stream": True})
+    chunks = parse_sse(streamed.text)
+    entries = [e for c in chunks if c["choices"] and (lp := c["choices"][0]["logprobs"])
+               for e in lp["content"]]  # fmt: skip
+    assert [e["logprob"] for e in entries] == [entry["logprob"]]
+    plain = {**forced, "logprobs": False, "top_logprobs": None, "stream": True}
+    chunks = parse_sse((await client.post("/v1/chat/completions", json=plain)).text)
+    assert all(c["choices"][0]["delta"].get("content", "") == "" for c in chunks)
+
+
 def parse_sse(text: str) -> list:
     events = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

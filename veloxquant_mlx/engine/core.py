@@ -311,16 +311,16 @@ class EngineCore:
             stepped.append(run)
             if run.fault.error is not None:
                 continue
-            if token in eos:
-                run.n_generated += 1
-                finished.append((seq, "stop"))
-                continue
+            at_eos = token in eos
             try:  # this request's own text, stop strings and logprobs: its fault alone
-                text, stopped = run.add_token(token)
+                text, stopped = run.add_eos() if at_eos else run.add_token(token)
                 row = None if sampled.logprobs is None else sampled.logprobs[i]
                 logprob, top = run.logprobs(token, row)
             except Exception as exc:
                 run.fault.record("detokenizer or logprobs", exc)
+                continue
+            if at_eos and logprob is None:  # EOS has no text: an event only to carry logprobs
+                finished.append((seq, "stop"))
                 continue
             run.pending.append(TokenEvent(token, text, now, logprob, top))
             run.peak_blocks = max(run.peak_blocks, 2 * self.scheduler.n_layers * seq.n_blocks)

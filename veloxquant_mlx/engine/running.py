@@ -61,6 +61,12 @@ class Running:
         self.n_generated += 1
         return self.stops.feed(self.detokenizer.add_token(token))
 
+    def add_eos(self) -> tuple[str, bool]:
+        """EOS counts as a generated token (usage and logprobs both include it) but has no
+        text."""
+        self.n_generated += 1
+        return "", True
+
     def flush(self) -> str:
         """Text still held (an unfinished character, a stop-string prefix) at the end."""
         text, stopped = self.stops.feed(self.detokenizer.finalize())
