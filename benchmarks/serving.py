@@ -59,6 +59,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
     "tiny": {},  # the embedded default model's shape
+    # The 1B shape's 16 layers at a tiny width: a decode step is almost all host (Python and
+    # launch) work, which is what a GPU step must hide behind its compute.
+    "host": {
+        "hidden_size": 64,
+        "num_hidden_layers": 16,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
 }
 
 

@@ -95,3 +95,40 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(arch_mod
         engine.shutdown(5)
     for p, n, got in zip(prompts, lengths, ours, strict=True):
         assert got == stock_tokens(model, p, n)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_rows_at_one_position_match_stock_caches(arch_model, layout):
+    """One stream alone, and rows that joined together (every row at the same position): the
+    step then runs without a mask where every row sees all its positions, and writes the new
+    tokens with one slice update (dense). Prompts longer than the sliding window keep their
+    mask."""
+    path, model = arch_model
+    rng = random.Random(5)
+    engine = Engine(EngineConfig(model=str(path), kv_layout=layout, kv_cache_mb=16)).start()
+    try:
+        engine.wait_ready(120)
+        greedy = SamplingParams(temperature=0.0)
+        for group in ([30], [11, 11, 11]):
+            prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in group]
+            handles = [engine.submit(GenerationRequest(tuple(p), 14, greedy)) for p in prompts]
+            for p, h in zip(prompts, handles, strict=True):
+                tokens, finish = h.collect(120)
+                assert isinstance(finish, FinishEvent)
+                assert [t.token_id for t in tokens] == stock_tokens(model, p, 14)
+            wait_idle(engine)
+        assert_engine_all_free(engine)
+    finally:
+        engine.shutdown(5)
+
+
+def test_a_step_batch_masks_only_what_some_row_must_not_see():
+    from veloxquant_mlx.cache.paged import StepBatch
+
+    level = StepBatch([6, 6])
+    assert level.uniform and level.mask(None) is None and level.mask(8) is None
+    assert level.mask(None, return_array=True).tolist() == [[[[True] * 7]]] * 2
+    assert level.mask(4).shape == (2, 1, 1, 7)  # the window hides the first positions
+    ragged = StepBatch([6, 2])
+    assert not ragged.uniform
+    assert ragged.mask(None)[1, 0, 0].tolist() == [True] * 3 + [False] * 4

@@ -44,10 +44,19 @@ class StepBatch:
         self.positions_list = positions
         self.positions = mx.array(positions, dtype=mx.int32)
         self.width = max(positions) + 1
+        # Every row at the same position (one stream, or rows that joined together): each row
+        # sees all ``width`` positions, so no mask is needed, and the new tokens go in with one
+        # slice update. Both are what stock ``KVCache`` gives one stream; a mask also moves
+        # MLX's CUDA attention off its vector kernel.
+        self.uniform = min(positions) == self.width - 1
         self._masks: dict[int | None, mx.array] = {}
+        self._index: tuple[int, int, mx.array, mx.array] | None = None
 
-    def mask(self, window: int | None) -> mx.array:
-        """[rows, 1, 1, width] bool: each row sees its own tokens (the last ``window``)."""
+    def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
+        """[rows, 1, 1, width] bool: each row sees its own tokens (the last ``window``); None
+        where that is every position of every row (unless ``return_array``)."""
+        if not return_array and self.uniform and (window is None or self.width <= window):
+            return None
         m = self._masks.get(window)
         if m is None:
             cols = mx.arange(self.width)[None, :]
@@ -58,6 +67,15 @@ class StepBatch:
             m = m[:, None, None, :]
             self._masks[window] = m
         return m
+
+    def scatter_index(self, rows: int, heads: int) -> tuple[mx.array, mx.array]:
+        """Row and head indices for writing one token per row at its position (made once a
+        step, not once a layer)."""
+        if self._index is None or self._index[:2] != (rows, heads):
+            r = mx.arange(rows)[:, None]
+            h = mx.arange(heads)[None, :]
+            self._index = (rows, heads, r, h)
+        return self._index[2], self._index[3]
 
 
 class StepCache:
@@ -88,8 +106,8 @@ class StepCache:
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
-    ) -> mx.array:
-        return self.batch.mask(window_size)
+    ) -> mx.array | None:
+        return self.batch.mask(window_size, return_array)
 
 
 class DenseKV:
@@ -148,12 +166,16 @@ class DenseKV:
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
     ) -> tuple[mx.array, mx.array]:
         rows = keys.shape[0]
-        r = mx.arange(rows)[:, None]
-        h = mx.arange(keys.shape[1])[None, :]
-        p = batch.positions[:, None]
         k, v = self.k[layer], self.v[layer]
-        k[r, h, p] = keys[:, :, 0, :]
-        v[r, h, p] = values[:, :, 0, :]
+        if batch.uniform:  # one position for all: a slice update, as stock KVCache does
+            p0 = batch.width - 1
+            k[:rows, :, p0 : p0 + 1] = keys
+            v[:rows, :, p0 : p0 + 1] = values
+        else:
+            r, h = batch.scatter_index(rows, keys.shape[1])
+            p = batch.positions[:, None]
+            k[r, h, p] = keys[:, :, 0, :]
+            v[r, h, p] = values[:, :, 0, :]
         self.k[layer], self.v[layer] = k, v
         w = batch.width
         return k[:rows, :, :w], v[:rows, :, :w]

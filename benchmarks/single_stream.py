@@ -1,0 +1,159 @@
+"""One stream's decode speed, taken apart: where the engine's time per token goes against stock.
+
+    python -m benchmarks.single_stream --shape 1b --max-tokens 256 --repeats 3
+
+Side by side in one process, repeated in turn (the median is reported):
+
+- ``stock``: mlx_lm's ``generate_step`` with stock ``KVCache`` (the target's reference);
+- ``loop/stock``: the same decode written out (sample, ``async_eval``, read the previous token),
+  so the two loops below differ from it only in their caches;
+- ``loop/dense``, ``loop/paged``: that loop over the engine's ``StepCache`` in each layout;
+- ``engine/dense``, ``engine/paged``: the engine itself, one client, one request at a time.
+
+``build_ms`` is the host time a loop spends building and launching one step (Python, graph
+construction, the launch call): what a GPU step's compute has to hide. The engine's figure
+against ``loop/<layout>`` is its own loop's cost (scheduler, sampling, text, delivery); the loop's
+against ``loop/stock``, the cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serving import SHAPES, write_model
+
+
+def decode_loop(model: Any, prompt: list[int], n: int, layout: str) -> tuple[float, float]:
+    """Prefill with stock caches, then ``n`` decode steps over ``layout`` ("stock", "dense",
+    "paged"); returns (tok/s over the whole call, median host ms per step to build and
+    launch)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from veloxquant_mlx.cache.paged import StepBatch, StepCache, make_kv
+
+    t0 = time.perf_counter()
+    caches: list[Any] = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=caches)[:, -1, :]
+    y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    kv = None
+    if layout != "stock":
+        n_layers = len(caches)
+        blocks = -(-(len(prompt) + n + 1) // 16)
+        kv = make_kv(layout, n_layers, 16, 2 * n_layers * blocks)
+        table = [[s * blocks + b for b in range(blocks)] for s in range(2 * n_layers)]
+        prefilled = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+        kv.put_row(0, prefilled, table)
+    mx.async_eval(y)
+    position, builds, tokens = len(prompt), [], []
+    for _ in range(n):
+        b0 = time.perf_counter()
+        if kv is not None:
+            batch = StepBatch([position])
+            kv.begin_step(batch, 2 * len(caches) * blocks - 1)
+            step_caches: list[Any] = [StepCache(kv, i, batch) for i in range(len(caches))]
+        else:
+            step_caches = caches
+        logits = model(y[:, None], cache=step_caches)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        following = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        mx.async_eval(following)
+        builds.append(time.perf_counter() - b0)
+        tokens.append(y.item())
+        y, position = following, position + 1
+    mx.eval(y)
+    return n / (time.perf_counter() - t0), 1000 * statistics.median(builds)
+
+
+def stock(model: Any, prompt: list[int], n: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    count = sum(1 for _ in generate_step(mx.array(prompt), model, max_tokens=n))
+    return count / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layouts", default="dense,paged")
+    p.add_argument("--work", default=None, help="where the model is written (default: a tmp dir)")
+    p.add_argument("--out", default=None, help="write single_stream.json here")
+    args = p.parse_args()
+
+    import mlx.core as mx
+    import mlx_lm
+
+    from benchmarks.step_bench import closed_loop
+    from veloxquant_mlx.engine.engine import Engine, EngineConfig
+
+    gpu = mx.default_device() == mx.gpu
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    work = Path(args.work or tempfile.mkdtemp(prefix="vq-single-"))
+    path = write_model(work / f"{args.shape}-{dtype}", args.shape, dtype)
+    model, _ = mlx_lm.load(str(path))
+    prompt = [3 + (7 * i) % 1997 for i in range(args.prompt_tokens)]
+    n = args.max_tokens
+    layouts = [s for s in args.layouts.split(",") if s]
+    engines = {
+        layout: Engine(
+            EngineConfig(
+                model=str(path),
+                dtype=dtype,
+                kv_layout=layout,
+                kv_cache_mb=512,
+                max_running=1,
+                max_queue=4,
+            )
+        ).start()
+        for layout in layouts
+    }
+    samples: dict[str, list[float]] = {}
+    try:
+        for engine in engines.values():
+            engine.wait_ready(600)
+            closed_loop(engine, 1, 1, [prompt], [16])  # warm up
+        stock(model, prompt, 16)
+        for layout in ("stock", *layouts):
+            decode_loop(model, prompt, 16, layout)
+        print(
+            f"single_stream: MLX {mx.__version__} on {mx.default_device()}, {args.shape} "
+            f"{dtype}, {args.prompt_tokens}-token prompt, {n} new tokens",
+            flush=True,
+        )
+        for _ in range(args.repeats):
+            samples.setdefault("stock", []).append(stock(model, prompt, n))
+            for layout in ("stock", *layouts):
+                rate, build = decode_loop(model, prompt, n, layout)
+                samples.setdefault(f"loop/{layout}", []).append(rate)
+                samples.setdefault(f"loop/{layout}_build_ms", []).append(build)
+            for layout, engine in engines.items():
+                rate = closed_loop(engine, 1, 1, [prompt], [n])
+                samples.setdefault(f"engine/{layout}", []).append(rate)
+            print(json.dumps({k: round(v[-1], 3) for k, v in samples.items()}), flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown(30)
+    result = {k: statistics.median(v) for k, v in samples.items()}
+    for key in [k for k in result if not k.endswith("_ms") and k != "stock"]:
+        result[f"{key}_vs_stock"] = result[key] / result["stock"]
+    print(json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "single_stream.json").write_text(json.dumps({"runs": samples, "median": result}))
+
+
+if __name__ == "__main__":
+    main()
