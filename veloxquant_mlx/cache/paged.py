@@ -92,8 +92,10 @@ class StepCache:
         self.keys: mx.array | None = None
 
     @property
-    def offset(self) -> mx.array:
-        return self.batch.positions  # RoPE: each row at its own position
+    def offset(self) -> mx.array | int:
+        """RoPE: each row at its own position (one int where they are all at one, as stock)."""
+        batch = self.batch
+        return batch.width - 1 if batch.uniform else batch.positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[2] != 1:
