@@ -201,6 +201,13 @@ async def test_empty_prompt_and_over_context_are_400(client):
     assert_openai_error(r, 400)
 
 
+async def test_a_prompt_over_the_context_is_refused_without_a_misleading_warning(client, caplog):
+    r = await client.post("/v1/completions", json={**COMPLETION, "prompt": "hello " * 3000})
+    error = assert_openai_error(r, 400, "context_length_exceeded")
+    assert "maximum context length is 2048 tokens" in error["message"]
+    assert "indexing errors" not in caplog.text  # transformers' own length warning
+
+
 async def test_unknown_model_is_404_and_nothing_is_loaded(client):
     r = await client.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"})
     assert_openai_error(r, 404, "model_not_found")

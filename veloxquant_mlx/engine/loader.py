@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,17 @@ def load_tokenizer(path: Path) -> Any:
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     config = load_config(path)
-    return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return _unbounded(mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None)))
+
+
+def _unbounded(tokenizer: Any) -> Any:
+    """``tokenizer`` with no length of its own. The engine checks the context itself and
+    answers 400 (checks.py). Otherwise transformers logs "... will result in indexing errors"
+    for a long prompt. The server refuses that prompt, so the warning would only mislead."""
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if hasattr(hf, "model_max_length"):
+        hf.model_max_length = sys.maxsize
+    return tokenizer
 
 
 def load(
@@ -68,7 +79,7 @@ def load(
     path, name = model_path(model, cache_dir)
     if group is None:
         loaded = mlx_lm.load(str(path))
-        net, tokenizer = loaded[0], loaded[1]
+        net, tokenizer = loaded[0], _unbounded(loaded[1])
     else:
         net, tokenizer = load_shard(path, group)
     target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
