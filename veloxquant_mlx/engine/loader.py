@@ -55,7 +55,7 @@ def _unbounded(tokenizer: Any) -> Any:
     """``tokenizer`` with no length of its own. The engine checks the context itself and
     answers 400 (checks.py). Otherwise transformers logs "... will result in indexing errors"
     for a long prompt. The server refuses that prompt, so the warning would only mislead."""
-    hf = getattr(tokenizer, "_tokenizer", None)
+    hf: Any = getattr(tokenizer, "_tokenizer", None)
     if hasattr(hf, "model_max_length"):
         hf.model_max_length = sys.maxsize
     return tokenizer
