@@ -29,10 +29,12 @@ from typing import Any
 from benchmarks.serving import SHAPES, write_model
 
 
-def decode_loop(model: Any, prompt: list[int], n: int, layout: str) -> tuple[float, float]:
+def decode_loop(
+    model: Any, prompt: list[int], n: int, layout: str
+) -> tuple[float, float, list[int]]:
     """Prefill with stock caches, then ``n`` decode steps over ``layout`` ("stock", "dense",
     "paged"); returns (tok/s over the whole call, median host ms per step to build and
-    launch)."""
+    launch, the greedy tokens)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -68,7 +70,7 @@ def decode_loop(model: Any, prompt: list[int], n: int, layout: str) -> tuple[flo
         tokens.append(y.item())
         y, position = following, position + 1
     mx.eval(y)
-    return n / (time.perf_counter() - t0), 1000 * statistics.median(builds)
+    return n / (time.perf_counter() - t0), 1000 * statistics.median(builds), tokens
 
 
 def stock(model: Any, prompt: list[int], n: int) -> float:
@@ -135,7 +137,7 @@ def main() -> None:
         for _ in range(args.repeats):
             samples.setdefault("stock", []).append(stock(model, prompt, n))
             for layout in ("stock", *layouts):
-                rate, build = decode_loop(model, prompt, n, layout)
+                rate, build, _ = decode_loop(model, prompt, n, layout)
                 samples.setdefault(f"loop/{layout}", []).append(rate)
                 samples.setdefault(f"loop/{layout}_build_ms", []).append(build)
             for layout, engine in engines.items():
