@@ -164,30 +164,8 @@ class EngineCore:
             self._changed = True
             if seq.out is None:
                 self._start(seq)
-        results: list[Sampled] = []
-        budget = self.config.prefill_budget
         pending = [s for s in sched.running if s.state is not None and not s.state.joined]
-        # Whole short prompts that arrived together: one padded forward for all of them.
-        fresh: list[Seq] = []
-        width = 0
-        for s in pending:
-            n = len(s.tokens)
-            if s.state.caches is None and s.n_kv == 0 and n <= self.config.prefill_step:
-                if max(width, n) * (len(fresh) + 1) > budget:
-                    break
-                fresh.append(s)
-                width = max(width, n)
-        if len(fresh) > 1:
-            results.append(runner.prefill_together(fresh))
-            budget -= width * len(fresh)
-            pending = [s for s in pending if s not in fresh]
-        for seq in pending:  # the rest, a chunk at a time
-            if budget <= 0:
-                break
-            n, first = runner.prefill(seq, budget)
-            budget -= n
-            if first is not None:
-                results.append(first)
+        results = runner.prefill_within(pending, self.config.prefill_budget)
         for row in list(runner.rows):
             if row is not None and row.state.joined:  # not preempted meanwhile
                 self._make_room(row)
@@ -454,13 +432,7 @@ class EngineCore:
                 self._end(seq, "error", message, ENGINE_FAILED)
             except BaseException:  # the batch itself may be broken: still tell the caller
                 log.exception("while failing request %d", seq.request_id)
-        ib = self.inbox
-        with ib.lock:
-            ib.alive = False
-            adds = list(ib.adds)
-            ib.adds.clear()
-            commands = list(ib.commands)
-            ib.commands.clear()
+        adds, commands = self.inbox.close()
         taken, futures = self.turns.take_unapplied()
         for h in [*taken, *adds]:
             self.push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
@@ -472,15 +444,15 @@ class EngineCore:
         """From another thread, while this loop is stuck in a collective that will not return:
         every request still live ends with ENGINE_FAILED (no MLX call, no state beyond the
         answers), and the engine counts as dead."""
-        with self.inbox.lock:
-            self.inbox.alive = False
-            adds = list(self.inbox.adds)
-            self.inbox.adds.clear()
+        adds, commands = self.inbox.close()
         handles = [s.handle for s in list(self._live.values())]
-        taken, _ = self.turns.take_unapplied()
+        taken, futures = self.turns.take_unapplied()
         for handle in [*handles, *taken, *adds]:
             if not handle.done:
                 self.push_finish(handle, "error", 0, 0, error=message, code=ENGINE_FAILED)
+        for future in [*futures, *(f for _, f in commands)]:
+            if not future.done():
+                future.set_exception(EngineNotReadyError(message))
 
     def release_everything(self) -> None:
         pool = self.scheduler.pool

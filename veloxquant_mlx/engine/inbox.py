@@ -90,3 +90,13 @@ class Inbox:
         self.counters = Counters()
         self.snapshot = Snapshot()
         self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
+
+    def close(self) -> tuple[list[RequestHandle], list[tuple[Command, Future[Any]]]]:
+        """The engine is dead: no more intake. Returns what callers had sent that it never
+        took (new requests, commands) so they can be answered."""
+        with self.lock:
+            self.alive = False
+            adds, commands = list(self.adds), list(self.commands)
+            self.adds.clear()
+            self.commands.clear()
+        return adds, commands

@@ -122,6 +122,33 @@ class Runner:
         mx.async_eval(sampled.tokens)
         return n, sampled
 
+    def prefill_within(self, pending: list[Seq], budget: int) -> list[Sampled]:
+        """Prefill ``pending`` rows (admitted, not joined; oldest first) under a token budget
+        for this turn: whole short prompts that arrived together in one padded forward, the
+        rest a chunk at a time. Returns the first tokens of the rows that joined."""
+        results: list[Sampled] = []
+        fresh: list[Seq] = []
+        width = 0
+        for s in pending:
+            n = len(s.tokens)
+            if s.state.caches is None and s.n_kv == 0 and n <= self.prefill_step:
+                if max(width, n) * (len(fresh) + 1) > budget:
+                    break
+                fresh.append(s)
+                width = max(width, n)
+        if len(fresh) > 1:
+            results.append(self.prefill_together(fresh))
+            budget -= width * len(fresh)
+            pending = [s for s in pending if s not in fresh]
+        for seq in pending:
+            if budget <= 0:
+                break
+            n, first = self.prefill(seq, budget)
+            budget -= n
+            if first is not None:
+                results.append(first)
+        return results
+
     def _start_caches(self, seq: Seq) -> list[KVCache]:
         """Fresh prefill caches, holding the KV of the cached pages ``seq`` starts with (its
         ``n_kv`` tokens, set at admission)."""

@@ -101,10 +101,10 @@ class TurnSource:
             except BaseException as exc:
                 if future is None:
                     log.info("command %s failed on this rank: %s", command, exc)
-                else:
+                elif not future.done():  # an abandoned engine has answered it already
                     future.set_exception(exc)
             else:
-                if future is not None:
+                if future is not None and not future.done():
                     future.set_result(result)
 
     def handle(self, request_id: int, request: GenerationRequest) -> RequestHandle:
