@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import mlx.core as mx
@@ -523,3 +524,40 @@ def test_shrink_answers_queued_requests_that_no_longer_fit_and_the_queue_moves_o
     # `running` outgrows the shrunk pool (capacity_reduced); `small` then fits what it freed.
     assert running.collect(30)[1].error_code == CAPACITY_REDUCED
     assert small.collect(30)[1].finish_reason == "length"  # not stuck behind anyone
+
+
+def test_an_abandoned_engine_answers_requests_and_commands_that_wait(make_engine):
+    """The group watchdog's path: the engine thread is stuck (here in the step hook, in a real
+    group in a collective); ``abandon`` from another thread fails the running request and the
+    shrink still waiting for a turn, at once, not after the caller's own timeout."""
+    stuck, release = threading.Event(), threading.Event()
+
+    def hook():
+        stuck.set()
+        release.wait(30)
+
+    engine = make_engine(n_blocks=2 * 400, step_hook=hook)
+    handle = engine.submit(request(prompts(engine, 1)[0], max_tokens=50))
+    assert stuck.wait(30)
+    outcome: dict[str, BaseException] = {}
+
+    def shrink():
+        try:
+            engine.shrink("kv", 0, timeout=30)
+        except BaseException as exc:  # the answer under test
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=shrink)
+    caller.start()
+    time.sleep(0.2)  # the command is queued behind the stuck turn
+    started = time.monotonic()
+    engine._core.abandon("a rank of the model's group stopped answering")
+    caller.join(10)
+    assert not caller.is_alive() and time.monotonic() - started < 5
+    assert isinstance(outcome.get("error"), EngineNotReadyError)
+    _, finish = handle.collect(5)
+    assert (finish.finish_reason, finish.error_code) == ("error", ENGINE_FAILED)
+    assert not engine.alive
+    release.set()  # the thread comes back (a real stuck one never does) and ends cleanly
+    engine.shutdown(5)
+    assert engine.pool.stats.blocks_in_use() == 0
