@@ -8,16 +8,9 @@
 set -euo pipefail
 model=$1 out=$2 c=$3 n=$4 words=$5 tokens=$6
 mkdir -p "$out"
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-python3 -m veloxquant_mlx.server --model "$model" --port "$port" --blas off --max-running 256 \
-  --max-queue 1024 --kv-cache-mb 4096 --log-level warning > "$out/server.log" 2>&1 &
-srv=$!
-trap 'kill $srv 2>/dev/null; wait 2>/dev/null || true' EXIT
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
-  kill -0 "$srv" 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
-  sleep 0.5
-done
+. "$(dirname "$0")/serve_lib.sh"
+trap 'kill ${srv:-} 2>/dev/null; wait 2>/dev/null || true' EXIT
+start_server "$model" "$out/server.log"
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
   --max-tokens "$tokens" --no-leak-check --scrape-interval 1000 "$@"; }
 load --concurrency 8 --requests 32 > /dev/null

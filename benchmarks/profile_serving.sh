@@ -8,18 +8,11 @@ set -euo pipefail
 model=$1 out=$2 c=$3 words=$4; shift 4
 mkdir -p "$out"
 spy=${SITE:+$SITE/bin/}py-spy
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-python3 -m veloxquant_mlx.server --model "$model" --port "$port" --blas off --max-running 256 \
-  --max-queue 1024 --kv-cache-mb 4096 --log-level warning "$@" > "$out/server.log" 2>&1 &
-srv=$!
+. "$(dirname "$0")/serve_lib.sh"
 lt=""
-cleanup() { [ -n "$lt" ] && kill "$lt" 2>/dev/null; kill "$srv" 2>/dev/null; wait 2>/dev/null || true; }
+cleanup() { [ -n "$lt" ] && kill "$lt" 2>/dev/null; kill ${srv:-} 2>/dev/null; wait 2>/dev/null || true; }
 trap cleanup EXIT
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
-  kill -0 "$srv" 2>/dev/null || { tail -20 "$out/server.log"; exit 1; }
-  sleep 0.5
-done
+start_server "$model" "$out/server.log" "$@"
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
   --max-tokens 128 --no-leak-check "$@"; }
 load --concurrency 4 --requests 8 > /dev/null

@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import SHAPES, write_model
+from benchmarks.serving import SHAPES
 
 
 def decode_loop(
@@ -73,15 +72,6 @@ def decode_loop(
     return n / (time.perf_counter() - t0), 1000 * statistics.median(builds), tokens
 
 
-def stock(model: Any, prompt: list[int], n: int) -> float:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    t0 = time.perf_counter()
-    count = sum(1 for _ in generate_step(mx.array(prompt), model, max_tokens=n))
-    return count / (time.perf_counter() - t0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
@@ -95,16 +85,11 @@ def main() -> None:
     args = p.parse_args()
 
     import mlx.core as mx
-    import mlx_lm
 
-    from benchmarks.step_bench import closed_loop
+    from benchmarks.step_bench import bench_model, closed_loop, single_stream
     from veloxquant_mlx.engine.engine import Engine, EngineConfig
 
-    gpu = mx.default_device() == mx.gpu
-    dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    work = Path(args.work or tempfile.mkdtemp(prefix="vq-single-"))
-    path = write_model(work / f"{args.shape}-{dtype}", args.shape, dtype)
-    model, _ = mlx_lm.load(str(path))
+    path, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-single-")
     prompt = [3 + (7 * i) % 1997 for i in range(args.prompt_tokens)]
     n = args.max_tokens
     layouts = [s for s in args.layouts.split(",") if s]
@@ -126,7 +111,7 @@ def main() -> None:
         for engine in engines.values():
             engine.wait_ready(600)
             closed_loop(engine, 1, 1, [prompt], [16])  # warm up
-        stock(model, prompt, 16)
+        single_stream(model, prompt, 16)
         for layout in ("stock", *layouts):
             decode_loop(model, prompt, 16, layout)
         print(
@@ -135,7 +120,7 @@ def main() -> None:
             flush=True,
         )
         for _ in range(args.repeats):
-            samples.setdefault("stock", []).append(stock(model, prompt, n))
+            samples.setdefault("stock", []).append(single_stream(model, prompt, n))
             for layout in ("stock", *layouts):
                 rate, build, _ = decode_loop(model, prompt, n, layout)
                 samples.setdefault(f"loop/{layout}", []).append(rate)

@@ -26,6 +26,21 @@ from typing import Any
 from benchmarks.serving import SHAPES, write_model
 
 
+def bench_model(
+    shape: str, dtype: str | None, work: str | None, prefix: str
+) -> tuple[Path, Any, str]:
+    """A random-weight model of ``shape`` written under ``work`` (default: a tmp dir) and loaded:
+    (its directory, the model, its dtype: bfloat16 on a GPU, float32 on a CPU unless given)."""
+    import mlx.core as mx
+    import mlx_lm
+
+    dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    target = Path(work or tempfile.mkdtemp(prefix=prefix))
+    path = write_model(target / f"{shape}-{dtype}", shape, dtype)
+    model, _ = mlx_lm.load(str(path))
+    return path, model, dtype
+
+
 def closed_loop(engine: Any, c: int, n: int, prompts: list[list[int]], lengths: list[int]) -> float:
     """``c`` threads each submitting the next request when theirs finishes; output tok/s."""
     from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
@@ -98,15 +113,10 @@ def main() -> None:
     args = p.parse_args()
 
     import mlx.core as mx
-    import mlx_lm
 
     from veloxquant_mlx.engine.engine import Engine, EngineConfig
 
-    gpu = mx.default_device() == mx.gpu
-    dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    work = Path(args.work or tempfile.mkdtemp(prefix="vq-step-"))
-    path = write_model(work / f"{args.shape}-{dtype}", args.shape, dtype)
-    model, _ = mlx_lm.load(str(path))
+    path, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-step-")
     model_bytes = mx.get_active_memory()
     lo, _, hi = args.max_tokens.partition("-")
     bounds = (int(lo), int(hi or lo))

@@ -461,9 +461,9 @@ def test_a_failing_processor_or_detokenizer_fails_its_request_alone(engine, monk
     parts = engine._core.parts
     real_processors, real_factory = core.make_processors, parts.new_detokenizer
 
-    def processors(params):
+    def processors(params, *grammar):
         if params.presence_penalty != 1.5:
-            return real_processors(params)
+            return real_processors(params, *grammar)
         calls = {"n": 0}
 
         def explode(tokens, logits):

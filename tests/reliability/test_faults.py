@@ -37,9 +37,9 @@ def _explode_at_third_token(monkeypatch) -> None:
 
     real = core.make_processors
 
-    def processors(params):
+    def processors(params, *grammar):
         if params.presence_penalty != 1.5:
-            return real(params)
+            return real(params, *grammar)
         calls = {"n": 0}
 
         def explode(tokens, logits):

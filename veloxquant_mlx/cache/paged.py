@@ -50,7 +50,7 @@ class StepBatch:
         # MLX's CUDA attention off its vector kernel.
         self.uniform = min(positions) == self.width - 1
         self._masks: dict[int | None, mx.array] = {}
-        self._index: tuple[int, int, mx.array, mx.array] | None = None
+        self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
 
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
         """[rows, 1, 1, width] bool: each row sees its own tokens (the last ``window``); None
@@ -68,14 +68,14 @@ class StepBatch:
             self._masks[window] = m
         return m
 
-    def scatter_index(self, rows: int, heads: int) -> tuple[mx.array, mx.array]:
+    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
         """Row and head indices for writing one token per row at its position (made once a
         step, not once a layer)."""
-        if self._index is None or self._index[:2] != (rows, heads):
-            r = mx.arange(rows)[:, None]
-            h = mx.arange(heads)[None, :]
-            self._index = (rows, heads, r, h)
-        return self._index[2], self._index[3]
+        index = self._index.get(heads)
+        if index is None:
+            rows = len(self.positions_list)
+            index = self._index[heads] = (mx.arange(rows)[:, None], mx.arange(heads)[None, :])
+        return index
 
 
 class StepCache:
@@ -174,7 +174,7 @@ class DenseKV:
             k[:rows, :, p0 : p0 + 1] = keys
             v[:rows, :, p0 : p0 + 1] = values
         else:
-            r, h = batch.scatter_index(rows, keys.shape[1])
+            r, h = batch.scatter_index(keys.shape[1])
             p = batch.positions[:, None]
             k[r, h, p] = keys[:, :, 0, :]
             v[r, h, p] = values[:, :, 0, :]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,6 @@ from veloxquant_mlx.engine.commands import (
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.faults import RequestFault
-from veloxquant_mlx.engine.grammar import GrammarProcessor
 from veloxquant_mlx.engine.group import Group
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox, Snapshot
@@ -253,13 +252,9 @@ class EngineCore:
         fault = RequestFault(seq.request_id, self._faulted)
         try:
             sampler = make_sampler(request.sampling)
-            processors = make_processors(request.sampling)
-            if request.grammar is not None:  # last: it sees the penalties' and biases' result
-                processors.append(
-                    GrammarProcessor(
-                        request.grammar, self.parts.ll_tokenizer, self.parts.vocab_size
-                    )
-                )
+            processors = make_processors(
+                request.sampling, request.grammar, self.parts.ll_tokenizer, self.parts.vocab_size
+            )
             detokenizer = self.parts.new_detokenizer()
         except Exception as exc:
             fault.record("setup", exc)
@@ -432,20 +427,18 @@ class EngineCore:
                 self._end(seq, "error", message, ENGINE_FAILED)
             except BaseException:  # the batch itself may be broken: still tell the caller
                 log.exception("while failing request %d", seq.request_id)
-        adds, commands = self.inbox.close()
-        taken, futures = self.turns.take_unapplied()
-        for h in [*taken, *adds]:
-            self.push_finish(h, "error", 0, 0, error=message, code=ENGINE_FAILED)
-        for future in [*futures, *(f for _, f in commands)]:
-            if not future.done():
-                future.set_exception(EngineNotReadyError(message))
+        self._fail_unapplied(message)
 
     def abandon(self, message: str) -> None:
         """From another thread, while this loop is stuck in a collective that will not return:
         every request still live ends with ENGINE_FAILED (no MLX call, no state beyond the
         answers), and the engine counts as dead."""
+        self._fail_unapplied(message, [s.handle for s in list(self._live.values())])
+
+    def _fail_unapplied(self, message: str, handles: Sequence[RequestHandle] = ()) -> None:
+        """Close the inbox, then answer with ENGINE_FAILED ``handles``, every request and
+        command taken but not applied, and whatever callers sent that was never taken."""
         adds, commands = self.inbox.close()
-        handles = [s.handle for s in list(self._live.values())]
         taken, futures = self.turns.take_unapplied()
         for handle in [*handles, *taken, *adds]:
             if not handle.done:

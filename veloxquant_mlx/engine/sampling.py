@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from veloxquant_mlx.engine.grammar import GrammarProcessor
 from veloxquant_mlx.engine.types import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -39,11 +41,20 @@ def make_sampler(params: SamplingParams) -> Sampler | None:
     return sample
 
 
-def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    """mlx_lm's logits processors for the penalties and logit bias this request sets (or none)."""
-    return make_logits_processors(
+def make_processors(
+    params: SamplingParams,
+    grammar: str | None = None,
+    ll_tokenizer: Any = None,
+    vocab_size: int = 0,
+) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    """mlx_lm's logits processors for the penalties and logit bias this request sets (or none),
+    then its ``grammar``'s (last: it sees the penalties' and biases' result)."""
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+    if grammar is not None:
+        processors.append(GrammarProcessor(grammar, ll_tokenizer, vocab_size))
+    return processors
