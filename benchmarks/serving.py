@@ -144,7 +144,7 @@ def library(path: Path, c: int, n: int, prompt_tokens: int, max_tokens: tuple[in
 
 def serve_and_load(
     cmd: list[str], port: int, model: str | None, levels: list[int], lt: argparse.Namespace,
-    per_level: int, log: Path,
+    requests: dict[int, int], log: Path,
 ) -> dict[int, dict[str, float]]:  # fmt: skip
     out: dict[int, dict[str, float]] = {}
     env = dict(os.environ)
@@ -153,7 +153,7 @@ def serve_and_load(
         # warm-up: compile kernels for the shapes the levels use
         asyncio.run(level(lt, url, model, 4, "warm-up", n_requests=8))
         for c in levels:
-            s = asyncio.run(level(lt, url, model, c, f"c={c}", n_requests=max(per_level, 2 * c)))
+            s = asyncio.run(level(lt, url, model, c, f"c={c}", n_requests=requests[c]))
             out[c] = {
                 "tok_s": s.output_tokens_per_s,
                 "ttft_p50_ms": s.ttft_s["p50"] * 1e3,
@@ -174,6 +174,13 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", default="128", help="N or LO-HI (varied lengths)")
     p.add_argument("--per-level", type=int, default=32, help="requests per level, at least 2c")
+    p.add_argument(
+        "--per-client",
+        type=int,
+        default=2,
+        help="at least this many requests per client in a level (6+ so that the ramp-up and "
+        "the last requests do not dominate)",
+    )
     p.add_argument("--layouts", default="dense,paged")
     p.add_argument("--peers", default="library,mlx_lm")
     p.add_argument("--blas", default="off")
@@ -208,6 +215,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
+    requests = {c: max(a.per_level, a.per_client * c) for c in levels}
     lo, _, hi = a.max_tokens.partition("-")
     max_tokens = (int(lo), int(hi or lo))
     work, out = Path(a.work), Path(a.out)
@@ -226,7 +234,7 @@ def main() -> None:
     if "library" in peers:
         results["library"] = {}
         for c in levels:
-            results["library"][c] = library(path, c, max(a.per_level, 2 * c), a.prompt_tokens,
+            results["library"][c] = library(path, c, requests[c], a.prompt_tokens,
                                             max_tokens)  # fmt: skip
             print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
     extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
@@ -244,16 +252,14 @@ def main() -> None:
                "--max-queue", "1024", "--kv-cache-mb", a.kv_cache_mb,
                "--log-level", "warning", *extra]  # fmt: skip
         print(name, flush=True)
-        results[name] = serve_and_load(
-            cmd, port, None, levels, lt, a.per_level, out / f"{name}.log"
-        )
+        results[name] = serve_and_load(cmd, port, None, levels, lt, requests, out / f"{name}.log")
     if "mlx_lm" in peers:
         port = free_port()
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port",
                str(port)]  # fmt: skip
         print("mlx_lm.server", flush=True)
         results["mlx_lm"] = serve_and_load(
-            cmd, port, str(path), levels, lt, a.per_level, out / "mlx_lm.log"
+            cmd, port, str(path), levels, lt, requests, out / "mlx_lm.log"
         )
     (out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "serving.md").write_text("\n".join(report(results, levels)) + "\n")
