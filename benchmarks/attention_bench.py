@@ -14,7 +14,10 @@ step's attention over all the shape's layers, bfloat16 on a GPU:
 - ``additive``: that mask as 0/-inf in the model's dtype, made once a step for all layers;
 - ``rows``: one unmasked call per row over that row's own length (a strided view, no copy),
   the results concatenated;
-- ``cudnn2``: the query doubled to length 2 with an additive mask, which MLX hands to cuDNN.
+- ``cudnn2``: the query doubled to length 2 with an additive mask, which MLX hands to cuDNN;
+- ``matmul``: ``veloxquant_mlx.cache.attention.matmul_attention`` (``--ragged-attention
+  matmul``, the GPU default): each KV head's query heads as the rows of one product, K and V
+  read once per KV head in place, where MLX's fallback broadcasts them over the query heads.
 
 Then one whole decode step of the shape's model (random weights, the engine's dense
 ``StepCache``), ragged rows, with the attention done each of those ways.
@@ -37,6 +40,8 @@ Method = Callable[[Any, Any, Any, float, list[int]], Any]
 
 def methods() -> dict[str, Method]:
     import mlx.core as mx
+
+    from veloxquant_mlx.cache.attention import matmul_attention
 
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -61,8 +66,11 @@ def methods() -> dict[str, Method]:
         out = sdpa(mx.concatenate([q, q], axis=2), k, v, scale=scale, mask=mx.repeat(m, 2, 2))
         return out[:, :, :1]
 
+    def matmul(q: Any, k: Any, v: Any, scale: float, lengths: list[int]) -> Any:
+        return matmul_attention(q, k, v, scale, _bool(lengths, k.shape[2]))
+
     return {"uniform": uniform, "bool": bool_mask, "additive": additive, "rows": rows,
-            "cudnn2": cudnn2}  # fmt: skip
+            "cudnn2": cudnn2, "matmul": matmul}  # fmt: skip
 
 
 _MASKS: dict[Any, Any] = {}  # made once a step, as a step's StepBatch would
@@ -141,7 +149,7 @@ def model_step(model: Any, config: dict[str, Any], rows: int, width: int, repeat
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from veloxquant_mlx.cache.paged import DenseKV, StepBatch, StepCache
+    from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, StepBatch, StepCache
 
     n_layers = config["num_hidden_layers"]
     hkv, d = config["num_key_value_heads"], config["head_dim"]
@@ -187,6 +195,21 @@ def model_step(model: Any, config: dict[str, Any], rows: int, width: int, repeat
                 ref = logits
             else:
                 out[f"step_{name}_maxdiff"] = mx.abs(logits - ref).max().item()
+        # as in serving: every row one position further each step (the keys' width grows), the
+        # engine's masked step through MLX's attention, then matmul at exact and chunked widths
+        for name, fn, chunk in [("mask_bool", None, 1), ("matmul", methods()["matmul"], 1),
+                                ("matmul_chunked", methods()["matmul"], READ_CHUNK)]:  # fmt: skip
+            current["fn"] = fn
+            times = []
+            for i in range(repeats + 2):
+                _MASKS.clear()
+                t0 = time.perf_counter()
+                batch = StepBatch([p + i for p in positions], width_chunk=chunk)
+                kv.begin_step(batch, 0)
+                caches = [StepCache(kv, j, batch) for j in range(n_layers)]
+                mx.eval(model(y, cache=caches)[:, -1, :], kv.k, kv.v)
+                times.append(time.perf_counter() - t0)
+            out[f"step_growing_{name}_ms"] = 1e3 * statistics.median(times[2:])
         current["fn"] = None
         times = []
         for _ in range(repeats + 2):  # every row at one position: no mask (the floor)

@@ -2,13 +2,17 @@
 
     python -m benchmarks.single_stream --shape 1b --max-tokens 256 --repeats 3
 
-Side by side in one process, repeated in turn (the median is reported):
+Side by side in one process, repeated in turn, each round in another order (the median is
+reported):
 
 - ``stock``: mlx_lm's ``generate_step`` with stock ``KVCache`` (the target's reference);
 - ``loop/stock``: the same decode written out (sample, ``async_eval``, read the previous token),
   so the two loops below differ from it only in their caches;
 - ``loop/dense``, ``loop/paged``: that loop over the engine's ``StepCache`` in each layout;
 - ``engine/dense``, ``engine/paged``: the engine itself, one client, one request at a time.
+
+``*_vs_stock`` is the ratio of medians; ``*_vs_stock_paired`` the median of each round's ratio to
+the stock run of the same round (what drift between rounds leaves alone).
 
 ``build_ms`` is the host time a loop spends building and launching one step (Python, graph
 construction, the launch call): what a GPU step's compute has to hide. The engine's figure
@@ -119,15 +123,26 @@ def main() -> None:
             f"{dtype}, {args.prompt_tokens}-token prompt, {n} new tokens",
             flush=True,
         )
-        for _ in range(args.repeats):
-            samples.setdefault("stock", []).append(single_stream(model, prompt, n))
-            for layout in ("stock", *layouts):
-                rate, build, _ = decode_loop(model, prompt, n, layout)
-                samples.setdefault(f"loop/{layout}", []).append(rate)
-                samples.setdefault(f"loop/{layout}_build_ms", []).append(build)
-            for layout, engine in engines.items():
-                rate = closed_loop(engine, 1, 1, [prompt], [n])
-                samples.setdefault(f"engine/{layout}", []).append(rate)
+        runs: list[tuple[str, Any]] = [("stock", lambda: (single_stream(model, prompt, n), None))]
+        for layout in ("stock", *layouts):
+            runs.append(
+                (f"loop/{layout}", lambda layout=layout: decode_loop(model, prompt, n, layout)[:2])
+            )
+        for layout, engine in engines.items():
+            runs.append(
+                (
+                    f"engine/{layout}",
+                    lambda engine=engine: (closed_loop(engine, 1, 1, [prompt], [n]), None),
+                )
+            )
+        for r in range(args.repeats):
+            # each round in another order, so that no variant always runs first or last
+            k = r % len(runs)
+            for name, run in runs[k:] + runs[:k]:
+                rate, build = run()
+                samples.setdefault(name, []).append(rate)
+                if build is not None:
+                    samples.setdefault(f"{name}_build_ms", []).append(build)
             print(json.dumps({k: round(v[-1], 3) for k, v in samples.items()}), flush=True)
     finally:
         for engine in engines.values():
@@ -135,6 +150,10 @@ def main() -> None:
     result = {k: statistics.median(v) for k, v in samples.items()}
     for key in [k for k in result if not k.endswith("_ms") and k != "stock"]:
         result[f"{key}_vs_stock"] = result[key] / result["stock"]
+        # paired: each round against the stock run just before it (the machine's drift between
+        # rounds cancels), then the median over rounds
+        pairs = [x / s for x, s in zip(samples[key], samples["stock"], strict=True)]
+        result[f"{key}_vs_stock_paired"] = statistics.median(pairs)
     print(json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
     if args.out:
         out = Path(args.out)

@@ -8,6 +8,9 @@ process, mlx_lm's ``BatchGenerator`` with every request inserted up front (batch
 one client, ``generate_step`` with stock caches (single-stream decode). Peak memory is MLX's
 (``mx.get_peak_memory``) over the run, beside the model's own bytes.
 
+``--attention sdpa,matmul`` also runs each variant per ragged-attention mode
+(``cache/attention.py``; ``auto`` alone by default), keyed ``LAYOUT/LAUNCH/MODE``.
+
 ``--launch ahead`` (the engine's default) starts a step as soon as it is built, one step ahead of
 the tokens being read; ``after`` waits for the previous step to finish first.
 """
@@ -107,6 +110,7 @@ def main() -> None:
     p.add_argument("--layouts", default="dense,paged")
     p.add_argument("--launch", default="ahead", help="ahead,after")
     p.add_argument("--peers", default="library,stock")
+    p.add_argument("--attention", default="auto", help="ragged attention modes, e.g. sdpa,matmul")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.add_argument("--work", default=None, help="where the model is written (default: a tmp dir)")
     p.add_argument("--out", default=None, help="write step_bench.json here")
@@ -143,30 +147,38 @@ def main() -> None:
         if "stock" in peers and c == 1:
             single_stream(model, prompts[0], 16)
             row["stock_single"] = single_stream(model, prompts[0], bounds[1])
-        for layout in args.layouts.split(","):
-            for launch in args.launch.split(","):
-                engine = Engine(
-                    EngineConfig(
-                        model=str(path),
-                        dtype=dtype,
-                        kv_layout=layout,
-                        kv_cache_mb=args.kv_cache_mb,
-                        max_running=max(c, 1),
-                        max_queue=4 * n,
-                        launch_after_previous=launch == "after",
-                    )
-                ).start()
-                try:
-                    engine.wait_ready(600)
-                    closed_loop(engine, c, min(n, 2 * c), prompts, lengths)  # warm up
-                    mx.reset_peak_memory()
-                    rate = closed_loop(engine, c, n, prompts, lengths)
-                    row[f"{layout}/{launch}"] = rate
-                    row[f"{layout}/{launch}_peak_mib"] = mx.get_peak_memory() / 2**20
-                    row[f"{layout}/{launch}_preemptions"] = engine.stats().preemptions_total
-                finally:
-                    engine.shutdown(30)
-                    mx.clear_cache()
+        modes = args.attention.split(",")
+        variants = [
+            (layout, launch, mode)
+            for layout in args.layouts.split(",")
+            for launch in args.launch.split(",")
+            for mode in modes
+        ]
+        for layout, launch, mode in variants:
+            key = f"{layout}/{launch}" + (f"/{mode}" if len(modes) > 1 else "")
+            engine = Engine(
+                EngineConfig(
+                    model=str(path),
+                    dtype=dtype,
+                    kv_layout=layout,
+                    ragged_attention=mode,
+                    kv_cache_mb=args.kv_cache_mb,
+                    max_running=max(c, 1),
+                    max_queue=4 * n,
+                    launch_after_previous=launch == "after",
+                )
+            ).start()
+            try:
+                engine.wait_ready(600)
+                closed_loop(engine, c, min(n, 2 * c), prompts, lengths)  # warm up
+                mx.reset_peak_memory()
+                rate = closed_loop(engine, c, n, prompts, lengths)
+                row[key] = rate
+                row[f"{key}_peak_mib"] = mx.get_peak_memory() / 2**20
+                row[f"{key}_preemptions"] = engine.stats().preemptions_total
+            finally:
+                engine.shutdown(30)
+                mx.clear_cache()
         results.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

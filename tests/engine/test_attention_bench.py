@@ -26,7 +26,7 @@ def test_every_ragged_method_computes_the_masked_attention():
         w = mx.softmax((q[i] @ kk.swapaxes(-1, -2)) * d**-0.5, axis=-1)
         expected.append(w @ vv)
     expected_all = mx.stack(expected)
-    for name in ("bool", "additive", "rows", "cudnn2"):
+    for name in ("bool", "additive", "rows", "cudnn2", "matmul"):
         assert found[name].shape == (rows, hq, 1, d)
         assert mx.allclose(found[name], expected_all, atol=1e-5).item(), name
     # and the floor is not: rows shorter than the width see keys they must not
@@ -36,6 +36,6 @@ def test_every_ragged_method_computes_the_masked_attention():
 def test_a_model_step_gives_the_same_logits_whichever_way_it_attends():
     model, config = build_model("tiny", mx.float32)
     out = model_step(model, config, rows=3, width=40, repeats=1, dtype=mx.float32)
-    for name in ("additive", "rows", "cudnn2"):
+    for name in ("additive", "rows", "cudnn2", "matmul"):
         assert out[f"step_{name}_maxdiff"] < 1e-4, (name, out)
         assert out[f"step_{name}_ms"] > 0

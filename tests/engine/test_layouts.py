@@ -65,15 +65,37 @@ def stock_tokens(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(arch_model, layout):
+@pytest.mark.parametrize(
+    ("layout", "attention"),
+    [("dense", "sdpa"), ("paged", "sdpa"), ("dense", "matmul"), ("paged", "matmul")],
+)
+def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
+    arch_model, layout, attention, monkeypatch
+):
+    """``attention``: how ragged steps attend (cache/attention.py); the matmul path must have
+    been taken, by as many calls as the ragged steps' layers."""
+    from veloxquant_mlx.cache import attention as attention_module
+
+    calls = []
+    real = attention_module.matmul_attention
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(attention_module, "matmul_attention", counted)
     path, model = arch_model
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
     lengths = [12, 5, 20, 9, 16, 3, 11, 7]
     engine = Engine(
         EngineConfig(
-            model=str(path), kv_layout=layout, kv_cache_mb=16, max_running=3, prefill_step=16
+            model=str(path),
+            kv_layout=layout,
+            ragged_attention=attention,
+            kv_cache_mb=16,
+            max_running=3,
+            prefill_step=16,
         )
     ).start()
     try:
@@ -95,6 +117,10 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(arch_mod
         engine.shutdown(5)
     for p, n, got in zip(prompts, lengths, ours, strict=True):
         assert got == stock_tokens(model, p, n)
+    if attention == "matmul":
+        assert calls and max(calls) > 1, "ragged multi-row steps went through matmul_attention"
+    else:
+        assert not calls
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])

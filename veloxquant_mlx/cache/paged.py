@@ -30,6 +30,10 @@ import numpy as np
 
 ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many
 SLOT_CHUNK = 256  # and its capacity in chunks of this many positions
+# A masked dense step under matmul attention reads this many positions at a time: the products'
+# shapes then change every 128 steps, not every step (MLX's CUDA matmul plans per shape; the
+# extra positions are masked). A divisor of SLOT_CHUNK, so the read stays inside the capacity.
+READ_CHUNK = 128
 
 
 class StepBatch:
@@ -37,11 +41,17 @@ class StepBatch:
 
     Args:
         positions: Where each row's new token goes (= its tokens already in KV), [rows].
-        width: Positions every row's keys span after the write (max position + 1).
+        matmul: A masked step attends through ``cache.attention.matmul_attention``.
+        width_chunk: A masked step reads its keys in multiples of this many positions.
+
+    ``width`` is the positions every row's keys span after the write (max position + 1);
+    ``read_width`` what a step reads and masks: ``width``, rounded up to ``width_chunk`` when
+    rows sit at different positions (every layer has a mask then).
     """
 
-    def __init__(self, positions: list[int]) -> None:
+    def __init__(self, positions: list[int], matmul: bool = False, width_chunk: int = 1) -> None:
         self.positions_list = positions
+        self.matmul = matmul
         self.positions = mx.array(positions, dtype=mx.int32)
         self.width = max(positions) + 1
         # Every row at the same position (one stream, or rows that joined together): each row
@@ -49,17 +59,19 @@ class StepBatch:
         # slice update. Both are what stock ``KVCache`` gives one stream; a mask also moves
         # MLX's CUDA attention off its vector kernel.
         self.uniform = min(positions) == self.width - 1
+        chunk = 1 if self.uniform else width_chunk
+        self.read_width = -(-self.width // chunk) * chunk
         self._masks: dict[int | None, mx.array] = {}
         self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
 
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
-        """[rows, 1, 1, width] bool: each row sees its own tokens (the last ``window``); None
+        """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
         where that is every position of every row (unless ``return_array``)."""
         if not return_array and self.uniform and (window is None or self.width <= window):
             return None
         m = self._masks.get(window)
         if m is None:
-            cols = mx.arange(self.width)[None, :]
+            cols = mx.arange(self.read_width)[None, :]
             pos = self.positions[:, None]
             m = cols <= pos
             if window is not None:
@@ -117,9 +129,15 @@ class DenseKV:
 
     kind = "dense"
 
-    def __init__(self, n_layers: int, block_size: int = 16) -> None:
+    def __init__(
+        self, n_layers: int, block_size: int = 16, attention: str = "sdpa", matmul_min_rows: int = 1
+    ) -> None:
         self.n_layers = n_layers
         self.block_size = block_size
+        # ragged steps of matmul_min_rows rows or more attend by "matmul" (cache.attention),
+        # others by "sdpa" (MLX's, masked)
+        self.attention = attention
+        self.matmul_min_rows = matmul_min_rows
         self.k: list[mx.array] = []
         self.v: list[mx.array] = []
         self.rows = 0  # allocated rows
@@ -160,6 +178,11 @@ class DenseKV:
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
         """Tables are the pool's accounting only here: the rows hold the KV."""
 
+    def step_batch(self, positions: list[int]) -> StepBatch:
+        """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
+        matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
+        return StepBatch(positions, matmul, READ_CHUNK if matmul else 1)
+
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         if self.k:
             self._grow(len(batch.positions_list), batch.width + 1, (self.k[0], self.v[0]))
@@ -179,7 +202,7 @@ class DenseKV:
             k[r, h, p] = keys[:, :, 0, :]
             v[r, h, p] = values[:, :, 0, :]
         self.k[layer], self.v[layer] = k, v
-        w = batch.width
+        w = batch.read_width  # <= capacity: begin_step grew it to width + 1 in SLOT_CHUNKs
         return k[:rows, :, :w], v[:rows, :, :w]
 
     keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
@@ -228,10 +251,19 @@ class PagedKV:
 
     kind = "paged"
 
-    def __init__(self, n_layers: int, block_size: int, n_ids: int) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        block_size: int,
+        n_ids: int,
+        attention: str = "sdpa",
+        matmul_min_rows: int = 1,
+    ) -> None:
         self.n_layers = n_layers
         self.block_size = block_size
         self.n_ids = n_ids
+        self.attention = attention  # as DenseKV's
+        self.matmul_min_rows = matmul_min_rows
         self.store: mx.array | None = None
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._gather: mx.array | None = None  # this step's read slots [rows, 2L, width]
@@ -295,6 +327,11 @@ class PagedKV:
         """Row ``row`` left: point it at the scratch block (past the pool's ids), so the hole's
         writes never land in a block another request now holds."""
         self._tables[row] = self.n_ids
+
+    def step_batch(self, positions: list[int]) -> StepBatch:
+        """The facts of a step over rows at ``positions`` (a step gathers exactly its width)."""
+        matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
+        return StepBatch(positions, matmul)
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         """This step's index arrays (each row's write and read slots, by table); the previous
@@ -360,9 +397,16 @@ class PagedKV:
         return 0 if self.store is None else self.store.nbytes
 
 
-def make_kv(kind: str, n_layers: int, block_size: int, n_ids: int) -> DenseKV | PagedKV:
+def make_kv(
+    kind: str,
+    n_layers: int,
+    block_size: int,
+    n_ids: int,
+    attention: str = "sdpa",
+    matmul_min_rows: int = 1,
+) -> DenseKV | PagedKV:
     if kind == "dense":
-        return DenseKV(n_layers, block_size)
+        return DenseKV(n_layers, block_size, attention, matmul_min_rows)
     if kind == "paged":
-        return PagedKV(n_layers, block_size, n_ids)
+        return PagedKV(n_layers, block_size, n_ids, attention, matmul_min_rows)
     raise ValueError(f"kv layout must be 'dense' or 'paged', got {kind!r}")

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
         description="Where running requests' KV lives: paged (the pool's blocks, read through "
         "block tables), dense (a contiguous working set), auto (the measured best per device).",
     )
+    ragged_attention: Literal["auto", "sdpa", "matmul"] = Field(
+        "auto",
+        description="Attention of a decode step whose rows sit at different positions: sdpa "
+        "(MLX's, with a mask), matmul (each KV head's query heads as one product's rows), auto "
+        "(the measured best: matmul on a GPU, sdpa on a CPU).",
+    )
     prefix_caching: bool = Field(
         True,
         description="Share full KV blocks between requests with the same prompt prefix "

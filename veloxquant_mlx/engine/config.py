@@ -30,6 +30,10 @@ class EngineConfig:
     # Where running rows' KV lives: "paged" (the pool's blocks, read through block tables),
     # "dense" (a contiguous working set, O(row) joins and leaves), "auto" (the measured best).
     kv_layout: str = "auto"
+    # How a decode step whose rows sit at different positions attends (cache/attention.py):
+    # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
+    # (the measured best: matmul on a GPU, sdpa on a CPU).
+    ragged_attention: str = "auto"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False (measured faster: BENCHMARKS.md, "Launch") launches at once, one step
     # ahead of the tokens being read, as mlx_lm's BatchGenerator does.

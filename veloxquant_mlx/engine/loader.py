@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache import attention
 from veloxquant_mlx.cache.paged import make_kv
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
@@ -186,19 +187,30 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             "MiB: raise --kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
     layout = kv_layout(cfg.kv_layout, geometry)
-    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks)
+    ragged = attention.attention_mode(cfg.ragged_attention)
+    if ragged == "matmul":
+        attention.install(model)
+    kv = make_kv(
+        layout,
+        geometry.n_layers_total,
+        cfg.block_size,
+        n_blocks,
+        ragged,
+        attention.matmul_min_rows(cfg.ragged_attention),
+    )
     runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
         "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV layout %s, "
-        "prefix caching %s, BLAS %s",
+        "ragged attention %s, prefix caching %s, BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
         layout,
+        ragged,
         "on" if cfg.prefix_caching else "off",
         blas,
     )

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from veloxquant_mlx.cache.paged import DenseKV, PagedKV, StepBatch, StepCache
+from veloxquant_mlx.cache.paged import DenseKV, PagedKV, StepCache
 from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.scheduler import Seq
 
@@ -246,7 +246,7 @@ class Runner:
             inputs = mx.concatenate(
                 [hole if s is None else s.state.next_input.astype(mx.uint32) for s in rows]
             )
-        batch = StepBatch([0 if s is None else s.n_kv for s in rows])
+        batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
         caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]

@@ -1,0 +1,139 @@
+"""Ragged decode attention in plain MLX ops (cache/attention.py): the same numbers as MLX's own
+masked attention, and routed only where a ``StepCache`` asks for it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base, llama
+
+from veloxquant_mlx.cache import attention
+from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, StepCache
+
+
+def qkv(rows: int, n_heads: int, n_kv: int, width: int, d: int = 16, capacity: int = 0):
+    """Queries and a strided K/V view of a wider working set, as a dense step fetches them."""
+    mx.random.seed(rows * 100 + n_heads)
+    cap = max(capacity, width)
+    q = mx.random.normal((rows, n_heads, 1, d))
+    k = mx.random.normal((rows, n_kv, cap, d))[:, :, :width]
+    v = mx.random.normal((rows, n_kv, cap, d))[:, :, :width]
+    return q, k, v
+
+
+def length_mask(lengths: list[int], width: int) -> mx.array:
+    return (mx.arange(width)[None, :] < mx.array(lengths)[:, None])[:, None, None, :]
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(4, 4), (8, 2), (6, 1)])
+def test_matmul_attention_equals_mlx_masked_attention(n_heads, n_kv):
+    lengths = [33, 1, 17, 40, 5]
+    q, k, v = qkv(len(lengths), n_heads, n_kv, 40, capacity=64)
+    scale = 16**-0.5
+    for mask in (length_mask(lengths, 40), mx.where(length_mask(lengths, 40), 0.0, -mx.inf)):
+        ours = attention.matmul_attention(q, k, v, scale, mask)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        assert ours.shape == theirs.shape == (5, n_heads, 1, 16)
+        assert mx.allclose(ours, theirs, atol=1e-6).item()
+
+
+def test_matmul_attention_honours_a_window_mask():
+    """A sliding-window layer's mask: each row sees only its last 4 positions."""
+    pos = mx.array([9, 3, 6])[:, None]
+    cols = mx.arange(10)[None, :]
+    mask = ((cols <= pos) & (cols > pos - 4))[:, None, None, :]
+    q, k, v = qkv(3, 4, 2, 10)
+    ours = attention.matmul_attention(q, k, v, 0.25, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert mx.allclose(ours, theirs, atol=1e-6).item()
+
+
+def test_matmul_attention_takes_one_query_per_row():
+    q, k, v = qkv(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="one query per row"):
+        attention.matmul_attention(
+            mx.concatenate([q, q], axis=2), k, v, 0.25, length_mask([8, 3], 8)
+        )
+
+
+def test_auto_is_mlx_own_on_a_cpu_and_bad_modes_are_refused():
+    assert attention.attention_mode("auto") == (
+        "matmul" if mx.default_device() == mx.gpu else "sdpa"
+    )
+    assert attention.attention_mode("matmul") == "matmul"
+    with pytest.raises(ValueError, match="ragged attention must be one of"):
+        attention.attention_mode("flash")
+
+
+def step_cache(kind: str, positions: list[int]) -> StepCache:
+    kv = DenseKV(1, attention=kind)
+    return StepCache(kv, 0, kv.step_batch(positions))
+
+
+def test_a_step_attends_by_matmul_from_its_layouts_fewest_rows():
+    """``auto`` on a GPU takes matmul from 32 rows; an explicit ``matmul`` from one."""
+    kv = DenseKV(1, attention="matmul", matmul_min_rows=attention.AUTO_MATMUL_MIN_ROWS)
+    assert not kv.step_batch(list(range(31))).matmul
+    assert kv.step_batch(list(range(32))).matmul
+    assert DenseKV(1, attention="matmul").step_batch([3, 9]).matmul
+    assert not DenseKV(1, attention="sdpa").step_batch(list(range(64))).matmul
+    assert attention.matmul_min_rows("auto") == attention.AUTO_MATMUL_MIN_ROWS
+    assert attention.matmul_min_rows("matmul") == 1
+
+
+def test_a_ragged_dense_matmul_step_reads_whole_chunks_and_masks_past_each_row():
+    """Keys are read in READ_CHUNK positions (the products' shapes change every 128 steps),
+    the mask as wide; a step with every row at one position reads exactly its width."""
+    kv = DenseKV(1, attention="matmul")
+    prefill = [(mx.ones((1, 2, 5, 4)), mx.ones((1, 2, 5, 4)))]
+    kv.put_row(0, prefill, None)
+    kv.put_row(1, prefill, None)
+    ragged = kv.step_batch([5, 2])
+    kv.begin_step(ragged, 0)
+    keys, values = StepCache(kv, 0, ragged).update_and_fetch(
+        mx.ones((2, 2, 1, 4)), mx.ones((2, 2, 1, 4))
+    )
+    assert ragged.width == 6 and ragged.read_width == READ_CHUNK
+    assert keys.shape == values.shape == (2, 2, READ_CHUNK, 4)
+    mask = ragged.mask(None)
+    assert mask.shape == (2, 1, 1, READ_CHUNK)
+    assert mask[0, 0, 0].tolist() == [True] * 6 + [False] * (READ_CHUNK - 6)
+    assert mask[1, 0, 0].tolist() == [True] * 3 + [False] * (READ_CHUNK - 3)
+    uniform = kv.step_batch([6, 6])
+    kv.begin_step(uniform, 0)
+    keys, _ = StepCache(kv, 0, uniform).update_and_fetch(
+        mx.ones((2, 2, 1, 4)), mx.ones((2, 2, 1, 4))
+    )
+    assert uniform.read_width == 7 and keys.shape[2] == 7 and uniform.mask(None) is None
+
+
+def test_install_routes_only_step_caches_that_ask_and_is_idempotent(monkeypatch):
+    from veloxquant_mlx.engine.default_model import CONFIG
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    assert attention.install(model) == 1
+    assert attention.install(model) == 0  # already wrapped
+    routed = llama.scaled_dot_product_attention
+    assert routed.__wrapped__ is base.scaled_dot_product_attention
+
+    calls = []
+    real = attention.matmul_attention
+    monkeypatch.setattr(attention, "matmul_attention", lambda *a: calls.append(1) or real(*a))
+    lengths = [12, 5]
+    q, k, v = qkv(2, 4, 2, 12)
+    mask = length_mask(lengths, 12)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    for cache, taken in [
+        (step_cache("matmul", [11, 4]), 1),  # a ragged step that asked: routed
+        (step_cache("sdpa", [11, 4]), 0),  # one that did not
+        (None, 0),  # a stock call (prefill, another user of mlx_lm)
+    ]:
+        calls.clear()
+        out = routed(q, k, v, cache=cache, scale=0.25, mask=mask)
+        assert len(calls) == taken
+        assert mx.allclose(out, expected, atol=1e-6).item()
+    calls.clear()  # no mask (every row at one position): MLX's vector kernel, never ours
+    routed(q, k, v, cache=step_cache("matmul", [11, 11]), scale=0.25, mask=None)
+    routed(q, k, v, cache=step_cache("matmul", [11, 4]), scale=0.25, mask="causal")
+    assert not calls
