@@ -156,6 +156,8 @@ def main() -> None:
         ]
         for layout, launch, mode in variants:
             key = f"{layout}/{launch}" + (f"/{mode}" if len(modes) > 1 else "")
+            while key in row:  # a mode given twice (to alternate the order): its second run
+                key += "+"
             engine = Engine(
                 EngineConfig(
                     model=str(path),
@@ -174,6 +176,7 @@ def main() -> None:
                 mx.reset_peak_memory()
                 rate = closed_loop(engine, c, n, prompts, lengths)
                 row[key] = rate
+                print(f"  c={c} {key}: {rate:.0f} tok/s", flush=True)
                 row[f"{key}_peak_mib"] = mx.get_peak_memory() / 2**20
                 row[f"{key}_preemptions"] = engine.stats().preemptions_total
             finally:
