@@ -137,3 +137,15 @@ def test_install_routes_only_step_caches_that_ask_and_is_idempotent(monkeypatch)
     routed(q, k, v, cache=step_cache("matmul", [11, 11]), scale=0.25, mask=None)
     routed(q, k, v, cache=step_cache("matmul", [11, 4]), scale=0.25, mask="causal")
     assert not calls
+
+
+def test_install_leaves_a_function_of_the_same_name_that_is_not_mlx_lms(monkeypatch):
+    """A model file may define its own ``scaled_dot_product_attention`` (other arguments)."""
+    from veloxquant_mlx.engine.default_model import CONFIG
+
+    def own(q, k, v, scale, mask):  # not mlx_lm's signature
+        return q
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", own)
+    assert attention.install(llama.Model(llama.ModelArgs.from_dict(CONFIG))) == 0
+    assert llama.scaled_dot_product_attention is own

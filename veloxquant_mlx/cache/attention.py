@@ -73,14 +73,18 @@ def matmul_min_rows(requested: str) -> int:
 
 def install(model: Any) -> int:
     """Route ``model``'s ragged decode attention through ``matmul_attention`` where its step
-    asks for it (``cache.batch.matmul``). Idempotent; safe for every other caller
-    of the wrapped function. Returns how many modules were wrapped now."""
+    asks for it (``cache.batch.matmul``): each of the model's modules that imported mlx_lm's
+    ``scaled_dot_product_attention`` gets the routing wrapper in its place. Idempotent; safe for
+    every other caller of the wrapped function. Returns how many modules were wrapped now."""
+    from mlx_lm.models import base
+
     names = {type(m).__module__ for _, m in model.named_modules()}
     wrapped = 0
     for name in sorted(names):
         module = sys.modules.get(name)
         original = getattr(module, _NAME, None)
-        if original is None or getattr(original, "_vq_ragged", False):
+        # only mlx_lm's own (a model file may define another of that name, other arguments)
+        if original is not base.scaled_dot_product_attention:
             continue
         setattr(module, _NAME, _routed(original))
         wrapped += 1
