@@ -51,7 +51,14 @@ def matmul_attention(
     """Attention of one new token per row: ``queries [B, H, 1, D]`` over ``keys``/``values``
     ``[B, H_kv, L, D]`` with a bool (True = attend) or additive ``mask`` that broadcasts to
     ``[B, 1, 1, L]`` (or ``[B, H_kv, H / H_kv, L]``). The same ops as MLX's fallback, in its
-    order (query scaled first, softmax in float32), without the broadcast over query heads."""
+    order (query scaled first, softmax in float32), without the broadcast over query heads.
+
+    Cost: two products of ``B * H * L * D`` each, five kernels; K and V are read in place
+    (any strides MLX's matmul takes). Lazy: builds the graph only, like any MLX op.
+
+    Raises:
+        ValueError: More than one query per row (prefill keeps MLX's attention).
+    """
     b, n_heads, n_q, d = queries.shape
     n_kv = keys.shape[1]
     if n_q != 1:
@@ -75,7 +82,10 @@ def install(model: Any) -> int:
     """Route ``model``'s ragged decode attention through ``matmul_attention`` where its step
     asks for it (``cache.batch.matmul``): each of the model's modules that imported mlx_lm's
     ``scaled_dot_product_attention`` gets the routing wrapper in its place. Idempotent; safe for
-    every other caller of the wrapped function. Returns how many modules were wrapped now."""
+    every other caller of the wrapped function. Returns how many modules were wrapped now.
+
+    Call it once at load, before any step runs (it rebinds module globals: not safe against
+    a model running in another thread at that moment). O(modules of the model)."""
     from mlx_lm.models import base
 
     names = {type(m).__module__ for _, m in model.named_modules()}
