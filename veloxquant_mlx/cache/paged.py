@@ -4,9 +4,9 @@ Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.
 
 - ``PagedKV``: the pool's blocks are the memory. One MLX array of ``n_ids * block_size`` slots
   (``[slots, kv_heads, head_dim]``) holds every block id's K or V; a row's block table maps its
-  positions to slots. A step reads through the tables with one gather per layer and stream (the
-  new token goes into the gathered copy); the step's new tokens reach the store in one scatter
-  when the next step begins (in place: nothing else references the store by then).
+  positions to slots. A step reads through the tables with one gather per layer, K and V
+  together (the new token goes into the gathered copy); the step's new tokens reach the store
+  in one scatter when the next step begins (in place: nothing else references the store by then).
 - ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
   row ``i`` = batch row ``i``. A row joins by copying its prefill into a free row and leaves a
   hole the next arrival fills: no KV moves on join or leave beyond the joiner's own. MLX's gather
