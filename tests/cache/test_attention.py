@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.models import base, llama
 
 from veloxquant_mlx.cache import attention
-from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, StepCache
+from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, PagedKV, StepCache
 
 
 def qkv(rows: int, n_heads: int, n_kv: int, width: int, d: int = 16, capacity: int = 0):
@@ -79,6 +79,9 @@ def test_a_step_attends_by_matmul_from_its_layouts_fewest_rows():
     assert not DenseKV(1, attention="sdpa").step_batch(list(range(64))).matmul
     assert attention.matmul_min_rows("auto") == attention.AUTO_MATMUL_MIN_ROWS
     assert attention.matmul_min_rows("matmul") == 1
+    assert kv.attention_label() == "matmul>=32"  # what /metrics labels build_info with
+    assert DenseKV(1, attention="matmul").attention_label() == "matmul"
+    assert PagedKV(1, 16, 8, "sdpa", 32).attention_label() == "sdpa"
 
 
 def test_a_ragged_dense_matmul_step_reads_whole_chunks_and_masks_past_each_row():

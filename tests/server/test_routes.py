@@ -263,7 +263,10 @@ async def test_metrics_parse_and_return_to_zero_when_idle(client):
     assert value("veloxquant_block_pool_blocks_in_use") == 0
     assert fams["veloxquant_generation_tokens"].samples[0].value >= 8
     assert fams["veloxquant_time_to_first_token_seconds"].type == "histogram"
-    assert fams["veloxquant_build_info"].samples[0].labels["blas"]
+    build = fams["veloxquant_build_info"].samples[0].labels
+    assert build["blas"]
+    # the engine's defaults on a CPU: the dense working set, MLX's own masked attention
+    assert (build["kv_layout"], build["ragged_attention"]) == ("dense", "sdpa")
     for name in fams:
         assert ":" not in name and name.startswith("veloxquant_")
 

@@ -178,6 +178,10 @@ class DenseKV:
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
         """Tables are the pool's accounting only here: the rows hold the KV."""
 
+    def attention_label(self) -> str:
+        """How ragged steps attend: "sdpa", "matmul", or "matmul>=N" (from N rows)."""
+        return _attention_label(self.attention, self.matmul_min_rows)
+
     def step_batch(self, positions: list[int]) -> StepBatch:
         """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
         matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
@@ -329,6 +333,10 @@ class PagedKV:
         writes never land in a block another request now holds."""
         self._tables[row] = self.n_ids
 
+    def attention_label(self) -> str:
+        """How ragged steps attend: "sdpa", "matmul", or "matmul>=N" (from N rows)."""
+        return _attention_label(self.attention, self.matmul_min_rows)
+
     def step_batch(self, positions: list[int]) -> StepBatch:
         """The facts of a step over rows at ``positions`` (a step gathers exactly its width)."""
         matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
@@ -396,6 +404,12 @@ class PagedKV:
 
     def nbytes(self) -> int:
         return 0 if self.store is None else self.store.nbytes
+
+
+def _attention_label(attention: str, matmul_min_rows: int) -> str:
+    if attention != "matmul" or matmul_min_rows <= 1:
+        return attention
+    return f"matmul>={matmul_min_rows}"
 
 
 def make_kv(

@@ -360,6 +360,7 @@ class Engine:
                 kv_bytes_per_block=self.kv_bytes_per_block,
                 preemptions_total=snap.preemptions,
                 kv_layout=snap.kv_layout,
+                ragged_attention=snap.ragged_attention,
                 kv_working_bytes=snap.kv_working_bytes,
                 prefix_caching=snap.prefix_caching,
                 cached_blocks=snap.cached_blocks,

@@ -36,6 +36,7 @@ class Snapshot:
     blocks_in_use: int = 0
     preemptions: int = 0
     kv_layout: str = ""
+    ragged_attention: str = ""
     kv_working_bytes: int = 0
     prefix_caching: bool = False
     cached_blocks: int = 0  # blocks the prefix cache holds (shared or evictable)
@@ -66,6 +67,7 @@ class Snapshot:
             blocks_in_use=sched.blocks_in_use(),
             preemptions=sched.preemptions,
             kv_layout=runner.kv.kind,
+            ragged_attention=runner.kv.attention_label(),
             kv_working_bytes=runner.kv.nbytes(),
             waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
             holds_a_request=holds_a_request,

@@ -196,6 +196,7 @@ class EngineStats:
     kv_bytes_per_block: int
     preemptions_total: int = 0
     kv_layout: str = ""  # "paged" or "dense" (cache.paged)
+    ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (cache.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
     prefix_caching: bool = False
     cached_blocks: int = 0  # blocks the prefix cache holds (some may be held by requests too)

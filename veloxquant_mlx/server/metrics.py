@@ -42,7 +42,16 @@ class EngineCollector(Collector):
         info = GaugeMetricFamily(
             "veloxquant_build_info",
             "Build and runtime facts (value is always 1).",
-            labels=["version", "model", "blas", "mlx_device", "world_size", "parallel"],
+            labels=[
+                "version",
+                "model",
+                "blas",
+                "mlx_device",
+                "world_size",
+                "parallel",
+                "kv_layout",
+                "ragged_attention",
+            ],
         )
         from veloxquant_mlx import __version__
 
@@ -55,6 +64,8 @@ class EngineCollector(Collector):
                 engine.device,
                 str(group.world_size),
                 group.mode,
+                stats.kv_layout,
+                stats.ragged_attention,
             ],
             1,
         )
