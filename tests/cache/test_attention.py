@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models import base, llama
 
 from veloxquant_mlx.cache import attention
+from veloxquant_mlx.cache.attention import RaggedAttention
 from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, PagedKV, StepCache
 
 
@@ -57,37 +58,37 @@ def test_matmul_attention_takes_one_query_per_row():
 
 
 def test_auto_is_mlx_own_on_a_cpu_and_bad_modes_are_refused():
-    assert attention.attention_mode("auto") == (
-        "matmul" if mx.default_device() == mx.gpu else "sdpa"
-    )
-    assert attention.attention_mode("matmul") == "matmul"
+    assert attention.choose("auto").mode == ("matmul" if mx.default_device() == mx.gpu else "sdpa")
+    assert attention.choose("matmul").mode == "matmul"
     with pytest.raises(ValueError, match="ragged attention must be one of"):
-        attention.attention_mode("flash")
+        attention.choose("flash")
 
 
 def step_cache(kind: str, positions: list[int]) -> StepCache:
-    kv = DenseKV(1, attention=kind)
+    kv = DenseKV(1, ragged=RaggedAttention(kind))
     return StepCache(kv, 0, kv.step_batch(positions))
 
 
 def test_a_step_attends_by_matmul_from_its_layouts_fewest_rows():
     """``auto`` on a GPU takes matmul from 32 rows; an explicit ``matmul`` from one."""
-    kv = DenseKV(1, attention="matmul", matmul_min_rows=attention.AUTO_MATMUL_MIN_ROWS)
+    kv = DenseKV(1, ragged=RaggedAttention("matmul", attention.AUTO_MATMUL_MIN_ROWS))
     assert not kv.step_batch(list(range(31))).matmul
     assert kv.step_batch(list(range(32))).matmul
-    assert DenseKV(1, attention="matmul").step_batch([3, 9]).matmul
-    assert not DenseKV(1, attention="sdpa").step_batch(list(range(64))).matmul
-    assert attention.matmul_min_rows("auto") == attention.AUTO_MATMUL_MIN_ROWS
-    assert attention.matmul_min_rows("matmul") == 1
-    assert kv.attention_label() == "matmul>=32"  # what /metrics labels build_info with
-    assert DenseKV(1, attention="matmul").attention_label() == "matmul"
-    assert PagedKV(1, 16, 8, "sdpa", 32).attention_label() == "sdpa"
+    assert DenseKV(1, ragged=RaggedAttention("matmul")).step_batch([3, 9]).matmul
+    assert not DenseKV(1, ragged=RaggedAttention("sdpa")).step_batch(list(range(64))).matmul
+    assert not PagedKV(1, 16, 8, RaggedAttention("matmul", 32)).step_batch([3, 9]).matmul
+    assert attention.choose("auto", gpu=True) == RaggedAttention("matmul", 32)
+    assert attention.choose("auto", gpu=False) == RaggedAttention("sdpa")
+    assert attention.choose("matmul").min_rows == 1
+    assert kv.ragged.label == "matmul>=32"  # what /metrics labels build_info with
+    assert RaggedAttention("matmul").label == "matmul"
+    assert RaggedAttention("sdpa", 32).label == "sdpa"
 
 
 def test_a_ragged_dense_matmul_step_reads_whole_chunks_and_masks_past_each_row():
     """Keys are read in READ_CHUNK positions (the products' shapes change every 128 steps),
     the mask as wide; a step with every row at one position reads exactly its width."""
-    kv = DenseKV(1, attention="matmul")
+    kv = DenseKV(1, ragged=RaggedAttention("matmul"))
     prefill = [(mx.ones((1, 2, 5, 4)), mx.ones((1, 2, 5, 4)))]
     kv.put_row(0, prefill, None)
     kv.put_row(1, prefill, None)

@@ -24,6 +24,7 @@ mask path.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -35,14 +36,37 @@ AUTO_MATMUL_MIN_ROWS = 32
 _NAME = "scaled_dot_product_attention"
 
 
-def attention_mode(requested: str) -> str:
-    """ "sdpa" or "matmul": ``auto`` is the measured best for the default device (matmul on a
-    GPU, MLX's own on a CPU, where both are the same ops)."""
+@dataclass(frozen=True, slots=True)
+class RaggedAttention:
+    """How a decode step whose rows sit at different positions attends: by ``mode`` ("sdpa",
+    MLX's masked attention, or "matmul", ``matmul_attention``), matmul from ``min_rows`` rows."""
+
+    mode: str = "sdpa"
+    min_rows: int = 1
+
+    def uses_matmul(self, rows: int) -> bool:
+        return self.mode == "matmul" and rows >= self.min_rows
+
+    @property
+    def label(self) -> str:
+        """ "sdpa", "matmul", or "matmul>=N" (what ``/metrics`` labels build_info with)."""
+        if self.mode != "matmul" or self.min_rows <= 1:
+            return self.mode
+        return f"matmul>={self.min_rows}"
+
+
+def choose(requested: str, gpu: bool | None = None) -> RaggedAttention:
+    """The policy for ``requested`` ("auto", "sdpa" or "matmul"): ``auto`` is the measured
+    best for the device (``gpu``; default: MLX's default device): matmul from
+    ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU, where both are the same ops."""
     if requested not in MODES:
         raise ValueError(f"ragged attention must be one of {', '.join(MODES)}, got {requested!r}")
     if requested != "auto":
-        return requested
-    return "matmul" if mx.default_device() == mx.gpu else "sdpa"
+        return RaggedAttention(requested)
+    on_gpu = mx.default_device() == mx.gpu if gpu is None else gpu
+    if on_gpu:
+        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS)
+    return RaggedAttention("sdpa")
 
 
 def matmul_attention(
@@ -73,11 +97,6 @@ def matmul_attention(
     return (weights @ values).reshape(b, n_heads, 1, values.shape[-1])
 
 
-def matmul_min_rows(requested: str) -> int:
-    """The fewest rows of a ragged step that ``requested`` attends by matmul."""
-    return AUTO_MATMUL_MIN_ROWS if requested == "auto" else 1
-
-
 def install(model: Any) -> int:
     """Route ``model``'s ragged decode attention through ``matmul_attention`` where its step
     asks for it (``cache.batch.matmul``): each of the model's modules that imported mlx_lm's
@@ -102,7 +121,7 @@ def install(model: Any) -> int:
 
 
 def _routed(original: Any) -> Any:
-    from veloxquant_mlx.cache.paged import StepCache  # paged imports nothing of this module
+    from veloxquant_mlx.cache.paged import StepCache  # paged imports this module
 
     def scaled_dot_product_attention(
         queries: mx.array,

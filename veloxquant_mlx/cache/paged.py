@@ -28,6 +28,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache.attention import RaggedAttention
+
 ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many
 SLOT_CHUNK = 256  # and its capacity in chunks of this many positions
 # A masked dense step under matmul attention reads this many positions at a time: the products'
@@ -130,14 +132,11 @@ class DenseKV:
     kind = "dense"
 
     def __init__(
-        self, n_layers: int, block_size: int = 16, attention: str = "sdpa", matmul_min_rows: int = 1
+        self, n_layers: int, block_size: int = 16, ragged: RaggedAttention | None = None
     ) -> None:
         self.n_layers = n_layers
         self.block_size = block_size
-        # ragged steps of matmul_min_rows rows or more attend by "matmul" (cache.attention),
-        # others by "sdpa" (MLX's, masked)
-        self.attention = attention
-        self.matmul_min_rows = matmul_min_rows
+        self.ragged = ragged or RaggedAttention()
         self.k: list[mx.array] = []
         self.v: list[mx.array] = []
         self.rows = 0  # allocated rows
@@ -178,13 +177,9 @@ class DenseKV:
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
         """Tables are the pool's accounting only here: the rows hold the KV."""
 
-    def attention_label(self) -> str:
-        """How ragged steps attend: "sdpa", "matmul", or "matmul>=N" (from N rows)."""
-        return _attention_label(self.attention, self.matmul_min_rows)
-
     def step_batch(self, positions: list[int]) -> StepBatch:
         """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
-        matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
+        matmul = self.ragged.uses_matmul(len(positions))
         return StepBatch(positions, matmul, READ_CHUNK if matmul else 1)
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
@@ -260,14 +255,12 @@ class PagedKV:
         n_layers: int,
         block_size: int,
         n_ids: int,
-        attention: str = "sdpa",
-        matmul_min_rows: int = 1,
+        ragged: RaggedAttention | None = None,
     ) -> None:
         self.n_layers = n_layers
         self.block_size = block_size
         self.n_ids = n_ids
-        self.attention = attention  # as DenseKV's
-        self.matmul_min_rows = matmul_min_rows
+        self.ragged = ragged or RaggedAttention()
         self.store: mx.array | None = None
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._gather: mx.array | None = None  # this step's read slots [rows, 2L, width]
@@ -333,14 +326,9 @@ class PagedKV:
         writes never land in a block another request now holds."""
         self._tables[row] = self.n_ids
 
-    def attention_label(self) -> str:
-        """How ragged steps attend: "sdpa", "matmul", or "matmul>=N" (from N rows)."""
-        return _attention_label(self.attention, self.matmul_min_rows)
-
     def step_batch(self, positions: list[int]) -> StepBatch:
         """The facts of a step over rows at ``positions`` (a step gathers exactly its width)."""
-        matmul = self.attention == "matmul" and len(positions) >= self.matmul_min_rows
-        return StepBatch(positions, matmul)
+        return StepBatch(positions, self.ragged.uses_matmul(len(positions)))
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         """This step's index arrays (each row's write and read slots, by table); the previous
@@ -406,22 +394,11 @@ class PagedKV:
         return 0 if self.store is None else self.store.nbytes
 
 
-def _attention_label(attention: str, matmul_min_rows: int) -> str:
-    if attention != "matmul" or matmul_min_rows <= 1:
-        return attention
-    return f"matmul>={matmul_min_rows}"
-
-
 def make_kv(
-    kind: str,
-    n_layers: int,
-    block_size: int,
-    n_ids: int,
-    attention: str = "sdpa",
-    matmul_min_rows: int = 1,
+    kind: str, n_layers: int, block_size: int, n_ids: int, ragged: RaggedAttention | None = None
 ) -> DenseKV | PagedKV:
     if kind == "dense":
-        return DenseKV(n_layers, block_size, attention, matmul_min_rows)
+        return DenseKV(n_layers, block_size, ragged)
     if kind == "paged":
-        return PagedKV(n_layers, block_size, n_ids, attention, matmul_min_rows)
+        return PagedKV(n_layers, block_size, n_ids, ragged)
     raise ValueError(f"kv layout must be 'dense' or 'paged', got {kind!r}")

@@ -67,7 +67,7 @@ class Snapshot:
             blocks_in_use=sched.blocks_in_use(),
             preemptions=sched.preemptions,
             kv_layout=runner.kv.kind,
-            ragged_attention=runner.kv.attention_label(),
+            ragged_attention=runner.kv.ragged.label,
             kv_working_bytes=runner.kv.nbytes(),
             waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
             holds_a_request=holds_a_request,

@@ -187,17 +187,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             "MiB: raise --kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
     layout = kv_layout(cfg.kv_layout, geometry)
-    ragged = attention.attention_mode(cfg.ragged_attention)
-    if ragged == "matmul":
+    ragged = attention.choose(cfg.ragged_attention)
+    if ragged.mode == "matmul":
         attention.install(model)
-    kv = make_kv(
-        layout,
-        geometry.n_layers_total,
-        cfg.block_size,
-        n_blocks,
-        ragged,
-        attention.matmul_min_rows(cfg.ragged_attention),
-    )
+    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged)
     runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
@@ -210,7 +203,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         per_block,
         n_blocks * per_block / 2**20,
         layout,
-        ragged,
+        ragged.label,
         "on" if cfg.prefix_caching else "off",
         blas,
     )
