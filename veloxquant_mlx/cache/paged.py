@@ -65,6 +65,7 @@ class StepBatch:
         self.read_width = -(-self.width // chunk) * chunk
         self._masks: dict[int | None, mx.array] = {}
         self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
+        self._put_index: mx.array | None = None
 
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
         """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
@@ -81,6 +82,14 @@ class StepBatch:
             m = m[:, None, None, :]
             self._masks[window] = m
         return m
+
+    @property
+    def put_index(self) -> mx.array:
+        """``[1, rows, 1, 1, 1]``: each row's position, for ``put_along_axis`` on the position
+        axis of ``[2, rows, heads, positions, dim]`` (made once a step)."""
+        if self._put_index is None:
+            self._put_index = self.positions.reshape(1, -1, 1, 1, 1)
+        return self._put_index
 
     def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
         """Row and head indices for writing one token per row at its position (made once a
@@ -240,12 +249,21 @@ class DenseKV:
 
 
 class PagedKV:
-    """The pool's blocks as the memory: ``[n_ids * block_size, H, D]``, read through tables.
+    """The pool's blocks as the memory, read through tables a whole block at a time.
+
+    One MLX array holds every block id's K or V (a block id is either, so the store is exactly
+    the pool): block ``b`` is ``[heads, block_size, head_dim]``, at rows ``b * heads *
+    block_size`` on of ``[(n_ids + 1) * heads * block_size, head_dim]`` (the last block is the
+    scratch block holes write to). Heads outside positions inside, as in attention's
+    ``[rows, heads, positions, head_dim]``: a gather of a row's blocks, viewed as
+    ``[n_ids * heads, block_size * head_dim]`` and indexed by ``id * heads + head``, lands in
+    that layout as it is (a reshape, no transpose, and block-sized copies).
 
     A row's table is ``2 * n_layers`` lists of block ids in position order (K of layer ``l`` at
-    ``2l``, V at ``2l + 1``). K and V share one store (a block id is either), so the store is
-    exactly the pool. The tables of the batch's rows are mirrored in one numpy array, updated
-    when a row joins, moves or gets a block, so a step builds its indices without a Python loop.
+    ``2l``, V at ``2l + 1``). The tables of the batch's rows are mirrored in one numpy array,
+    updated when a row joins, leaves or gets a block; the read indices made from them are kept
+    until a table changes or a step needs another block, so a step of unchanged rows builds no
+    index but its writes'.
     """
 
     kind = "paged"
@@ -262,26 +280,36 @@ class PagedKV:
         self.n_ids = n_ids
         self.ragged = ragged or RaggedAttention()
         self.store: mx.array | None = None
+        self.heads = 0
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
-        self._gather: mx.array | None = None  # this step's read slots [rows, 2L, width]
-        self._write: mx.array | None = None  # and write slots [2L * rows]
-        self._new: list[mx.array] = []  # this step's new K/V by stream: [rows, H, D] each
-        self._streams = mx.array([[0, 1]])  # a layer's K and V in its gathered pair
+        self._version = 0  # bumped whenever _tables changes
+        self._reads_key: tuple[int, int, int] | None = None  # (version, rows, blocks) of _reads
+        self._reads: list[mx.array] = []  # per layer: [2, rows, heads, blocks] of id*heads+head
+        self._blocks: mx.array | None = None  # this step's view of the store, one block-head a row
+        self._write: mx.array | None = None  # this step's store rows for the new tokens
+        self._new: list[mx.array] = []  # and the tokens, by layer: [2, rows, heads, 1, dim] each
+
+    def _rows_of(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Store rows of position(s) ``pos`` in blocks ``ids``, one per head: ``[*ids, heads]``
+        broadcast against ``pos``."""
+        heads, bs = self.heads, self.block_size
+        return (ids[..., None] * heads + np.arange(heads)) * bs + pos[..., None] % bs
 
     def _ensure(self, max_id: int, like: mx.array | None = None) -> None:
         """A store holding block ids up to ``max_id`` (made on the first row, shaped like its K)."""
         if self.store is None:
             assert like is not None
-            _, heads, _, dim = like.shape
+            _, self.heads, _, dim = like.shape
             self.n_ids = max(self.n_ids, max_id + 1)
-            slots = (self.n_ids + 1) * self.block_size  # + the scratch block holes write to
-            self.store = mx.zeros((slots, heads, dim), dtype=like.dtype)
+            rows = (self.n_ids + 1) * self.heads * self.block_size  # + the scratch block
+            self.store = mx.zeros((rows, dim), dtype=like.dtype)
         elif max_id >= self.n_ids:  # the pool grew (grow_on_exhaustion): rare, O(pool)
-            extra = (max_id + 1 - self.n_ids) * self.block_size
-            pad = mx.zeros((extra, *self.store.shape[1:]), dtype=self.store.dtype)
+            extra = (max_id + 1 - self.n_ids) * self.heads * self.block_size
+            pad = mx.zeros((extra, self.store.shape[1]), dtype=self.store.dtype)
             self.store = mx.concatenate([self.store, pad])
             self._tables[self._tables == self.n_ids] = max_id + 1  # the scratch block moved
             self.n_ids = max_id + 1
+            self._version += 1
 
     def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
         """Mirror ``table``'s blocks from index ``start`` on for batch row ``row``."""
@@ -299,6 +327,7 @@ class PagedKV:
             grown[:rows, :, :width] = self._tables
             self._tables = grown
         self._tables[row, :, start:n] = [ids[start:n] for ids in table]
+        self._version += 1
 
     def put_row(
         self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
@@ -311,66 +340,79 @@ class PagedKV:
         self._ensure(int(self._tables[row, :, : len(table[0])].max()), layers[0][0])
         if start >= n:
             return
-        layers = [(k[:, :, start:], v[:, :, start:]) for k, v in layers]
-        bs = self.block_size
         pos = np.arange(start, n)
-        slots = self._tables[row, :, pos // bs] * bs + (pos % bs)[:, None]  # [n, 2L]
-        vals = []
-        for k, v in layers:
-            vals += [k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)]
+        ids = self._tables[row][:, pos // self.block_size]  # [2L, n]
+        where = self._rows_of(ids, pos).transpose(0, 2, 1)  # [2L, heads, n]
+        vals = mx.stack([t[0, :, start:] for kv in layers for t in kv])  # [2L, heads, n, dim]
         assert self.store is not None
-        self.store[mx.array(slots.T.reshape(-1))] = mx.concatenate(vals).astype(self.store.dtype)
+        dim = self.store.shape[1]
+        self.store[mx.array(where.reshape(-1))] = vals.reshape(-1, dim).astype(self.store.dtype)
 
     def set_hole(self, row: int) -> None:
         """Row ``row`` left: point it at the scratch block (past the pool's ids), so the hole's
         writes never land in a block another request now holds."""
         self._tables[row] = self.n_ids
+        self._version += 1
 
     def step_batch(self, positions: list[int]) -> StepBatch:
-        """The facts of a step over rows at ``positions`` (a step gathers exactly its width)."""
-        return StepBatch(positions, self.ragged.uses_matmul(len(positions)))
+        """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
+        matmul = self.ragged.uses_matmul(len(positions))
+        return StepBatch(positions, matmul, READ_CHUNK if matmul else 1)
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
-        """This step's index arrays (each row's write and read slots, by table); the previous
+        """This step's write rows (and read indices, where the tables changed); the previous
         step's tokens are written into the store first, in one scatter."""
         self._flush()
         self._ensure(max_id)
-        bs = self.block_size
+        assert self.store is not None
         rows = len(batch.positions_list)
-        width = batch.width
+        n_blocks = -(-batch.read_width // self.block_size)
+        tab = self._tables[:rows]
         pos = np.asarray(batch.positions_list)
-        tab = self._tables[:rows, :, : -(-width // bs)]
-        write = tab[np.arange(rows), :, pos // bs] * bs + (pos % bs)[:, None]  # [rows, 2L]
-        self._write = mx.array(np.ascontiguousarray(write.T).reshape(-1))
-        offs = mx.arange(bs, dtype=mx.int32)
-        slots = mx.array(tab)[..., None] * bs + offs
-        self._gather = slots.reshape(rows, 2 * self.n_layers, -1)[..., :width]
+        ids = tab[np.arange(rows), :, pos // self.block_size].T  # [2L, rows]
+        self._write = mx.array(self._rows_of(ids, pos).reshape(-1))  # [2L * rows * heads]
+        key = (self._version, rows, n_blocks)
+        if key != self._reads_key:
+            if tab.shape[2] < n_blocks:  # a chunked read past every table: the scratch block
+                pad = ((0, 0), (0, 0), (0, n_blocks - tab.shape[2]))
+                tab = np.pad(tab, pad, constant_values=self.n_ids)
+            t = mx.array(np.ascontiguousarray(tab[:, :, :n_blocks].transpose(1, 0, 2)))
+            index = t[:, :, None, :] * self.heads + mx.arange(self.heads, dtype=mx.int32)[:, None]
+            self._reads = list(mx.split(index, self.n_layers))  # [2, rows, heads, blocks] each
+            self._reads_key = key
+        self._blocks = self.store.reshape(-1, self.block_size * self.store.shape[1])
         self._new = []
 
     def _flush(self) -> None:
         """Write the last step's new tokens (every layer's K and V) into the store: one scatter
         before anything reads or writes the store again, so it lands in place."""
+        self._blocks = None  # the store's only reference must be its own, or the write copies it
         if self._new:
             assert self.store is not None and self._write is not None
-            vals = mx.concatenate(self._new).astype(self.store.dtype)  # [2L * rows, H, D]
+            dim = self.store.shape[1]
+            vals = mx.concatenate(self._new).reshape(-1, dim)  # [2L * rows * heads, dim]
             self.store[self._write] = vals
             self._new = []
 
     def write_read(
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
     ) -> tuple[mx.array, mx.array]:
-        """Read the layer's K and V through the tables with the new token put in the gathered
-        copy (it reaches the store at the next ``_flush``): the store is only read this step.
-        K and V in one gather and one write (half the ops of one per stream; 6% less time on
-        a CPU for one row)."""
-        assert self.store is not None and self._gather is not None
-        rows = keys.shape[0]
-        new_k, new_v = keys[:, :, 0, :], values[:, :, 0, :]
-        got = self.store[self._gather[:, 2 * layer : 2 * layer + 2]]  # [rows, 2, width, H, D]
-        new = mx.stack([new_k, new_v], axis=1).astype(got.dtype)  # [rows, 2, H, D]
-        got[mx.arange(rows)[:, None], self._streams, batch.positions[:, None]] = new
-        self._new += [new_k, new_v]
-        return got[:, 0].transpose(0, 2, 1, 3), got[:, 1].transpose(0, 2, 1, 3)
+        """The layer's K and V through the tables, with the new token put in the gathered copy
+        (it reaches the store at the next ``_flush``): the store is only read during a step.
+        K and V in one gather of whole blocks, already in attention's layout."""
+        assert self._blocks is not None
+        rows, heads, _, dim = keys.shape
+        index = self._reads[layer]
+        got = self._blocks[index].reshape(2, rows, heads, -1, dim)
+        new = mx.stack([keys, values]).astype(got.dtype)  # [2, rows, heads, 1, dim]
+        if batch.uniform:  # one position for all: a slice update
+            p0 = batch.width - 1
+            got[:, :, :, p0 : p0 + 1] = new
+        else:
+            got = mx.put_along_axis(got, batch.put_index, new, axis=3)
+        self._new.append(new)
+        w = batch.read_width
+        return got[0, :, :, :w], got[1, :, :, :w]
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
 
@@ -378,14 +420,12 @@ class PagedKV:
         """The cached pages' KV through their block ids, per layer: ``[1, H, pages * bs, D]``."""
         self._flush()  # a page registered at a row's end may hold the last step's tokens
         assert self.store is not None
-        bs = self.block_size
+        bs, dim = self.block_size, self.store.shape[1]
         ids = np.array([p.ids for p in pages], dtype=np.int64).T  # [2L, pages]
-        slots = (ids[:, :, None] * bs + np.arange(bs)).reshape(len(ids), -1)
-        got = self.store[mx.array(slots)]  # [2L, n, H, D]
-        return [
-            (got[2 * layer].transpose(1, 0, 2)[None], got[2 * layer + 1].transpose(1, 0, 2)[None])
-            for layer in range(self.n_layers)
-        ]
+        index = ids[:, None, :] * self.heads + np.arange(self.heads)[:, None]  # [2L, H, pages]
+        got = self.store.reshape(-1, bs * dim)[mx.array(index)]
+        got = got.reshape(len(ids), self.heads, -1, dim)  # [2L, H, pages * bs, D]
+        return [(got[2 * layer][None], got[2 * layer + 1][None]) for layer in range(self.n_layers)]
 
     def clear(self) -> None:
         """Keep the store: it is the pool's memory, sized once."""
