@@ -65,7 +65,6 @@ class StepBatch:
         self.read_width = -(-self.width // chunk) * chunk
         self._masks: dict[int | None, mx.array] = {}
         self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
-        self._put_index: mx.array | None = None
 
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
         """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
@@ -82,14 +81,6 @@ class StepBatch:
             m = m[:, None, None, :]
             self._masks[window] = m
         return m
-
-    @property
-    def put_index(self) -> mx.array:
-        """``[1, rows, 1, 1, 1]``: each row's position, for ``put_along_axis`` on the position
-        axis of ``[2, rows, heads, positions, dim]`` (made once a step)."""
-        if self._put_index is None:
-            self._put_index = self.positions.reshape(1, -1, 1, 1, 1)
-        return self._put_index
 
     def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
         """Row and head indices for writing one token per row at its position (made once a
@@ -284,10 +275,11 @@ class PagedKV:
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._version = 0  # bumped whenever _tables changes
         self._reads_key: tuple[int, int, int] | None = None  # (version, rows, blocks) of _reads
-        self._reads: list[mx.array] = []  # per layer: [2, rows, heads, blocks] of id*heads+head
+        self._reads: list[mx.array] = []  # per layer: [rows, heads, 2, blocks] of id*heads+head
         self._blocks: mx.array | None = None  # this step's view of the store, one block-head a row
         self._write: mx.array | None = None  # this step's store rows for the new tokens
-        self._new: list[mx.array] = []  # and the tokens, by layer: [2, rows, heads, 1, dim] each
+        self._new: list[mx.array] = []  # and the tokens, by stream: [rows, heads, 1, dim] each
+        self._put: mx.array | None = None  # a ragged step's new-token positions, [rows, 1, 2, 1]
 
     def _rows_of(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Store rows of position(s) ``pos`` in blocks ``ids``, one per head: ``[*ids, heads]``
@@ -376,10 +368,14 @@ class PagedKV:
             if tab.shape[2] < n_blocks:  # a chunked read past every table: the scratch block
                 pad = ((0, 0), (0, 0), (0, n_blocks - tab.shape[2]))
                 tab = np.pad(tab, pad, constant_values=self.n_ids)
-            t = mx.array(np.ascontiguousarray(tab[:, :, :n_blocks].transpose(1, 0, 2)))
-            index = t[:, :, None, :] * self.heads + mx.arange(self.heads, dtype=mx.int32)[:, None]
-            self._reads = list(mx.split(index, self.n_layers))  # [2, rows, heads, blocks] each
+            by_layer = tab[:, :, :n_blocks].reshape(rows, self.n_layers, 1, 2, n_blocks)
+            ids_t = mx.array(np.ascontiguousarray(by_layer.transpose(1, 0, 2, 3, 4)))
+            heads = mx.arange(self.heads, dtype=mx.int32)[:, None, None]
+            self._reads = list(mx.split(ids_t * self.heads + heads, self.n_layers))
             self._reads_key = key
+        if not batch.uniform:  # where each row's new K and V go in its gathered pair
+            put = np.stack([pos, pos + n_blocks * self.block_size], axis=1)
+            self._put = mx.array(put.reshape(rows, 1, 2, 1).astype(np.int32))
         self._blocks = self.store.reshape(-1, self.block_size * self.store.shape[1])
         self._new = []
 
@@ -399,20 +395,26 @@ class PagedKV:
     ) -> tuple[mx.array, mx.array]:
         """The layer's K and V through the tables, with the new token put in the gathered copy
         (it reaches the store at the next ``_flush``): the store is only read during a step.
-        K and V in one gather of whole blocks, already in attention's layout."""
+
+        One gather of whole blocks, K's then V's along one position axis of attention's layout
+        (``[rows, heads, 2 * read, dim]``), so K and V are plain slices of it: each op a layer
+        builds is host time on a GPU step, and a stream's step builds two more than stock's."""
         assert self._blocks is not None
         rows, heads, _, dim = keys.shape
-        index = self._reads[layer]
-        got = self._blocks[index].reshape(2, rows, heads, -1, dim)
-        new = mx.stack([keys, values]).astype(got.dtype)  # [2, rows, heads, 1, dim]
-        if batch.uniform:  # one position for all: a slice update
+        if keys.dtype != self._blocks.dtype:
+            keys, values = keys.astype(self._blocks.dtype), values.astype(self._blocks.dtype)
+        got = self._blocks[self._reads[layer]].reshape(rows, heads, -1, dim)
+        half = got.shape[2] // 2
+        if batch.uniform:  # one position for all: slice updates
             p0 = batch.width - 1
-            got[:, :, :, p0 : p0 + 1] = new
+            got[:, :, p0 : p0 + 1] = keys
+            got[:, :, half + p0 : half + p0 + 1] = values
         else:
-            got = mx.put_along_axis(got, batch.put_index, new, axis=3)
-        self._new.append(new)
+            assert self._put is not None
+            got = mx.put_along_axis(got, self._put, mx.concatenate([keys, values], 2), axis=2)
+        self._new += [keys, values]
         w = batch.read_width
-        return got[0, :, :, :w], got[1, :, :, :w]
+        return got[:, :, :w], got[:, :, half : half + w]
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
 
