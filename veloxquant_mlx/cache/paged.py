@@ -2,16 +2,17 @@
 
 Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.md, "Paged KV"):
 
-- ``PagedKV``: the pool's blocks are the memory. One MLX array of ``n_ids * block_size`` slots
-  (``[slots, kv_heads, head_dim]``) holds every block id's K or V; a row's block table maps its
-  positions to slots. A step reads through the tables with one gather per layer, K and V
-  together (the new token goes into the gathered copy); the step's new tokens reach the store
-  in one scatter when the next step begins (in place: nothing else references the store by then).
+- ``PagedKV``: the pool's blocks are the memory. One MLX array holds every block id's K or V,
+  a block as ``[kv_heads, block_size, head_dim]``; a row's block table lists its blocks. A step
+  gathers each layer's K and V blocks whole, in one gather that lands in attention's layout
+  (the new token goes into the gathered copy); the step's new tokens reach the store in one
+  scatter when the next step begins (in place: nothing else references the store by then).
 - ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
   row ``i`` = batch row ``i``. A row joins by copying its prefill into a free row and leaves a
-  hole the next arrival fills: no KV moves on join or leave beyond the joiner's own. MLX's gather
-  is too slow for per-step reads (CPU 5-7x SDPA; H200 2.3-2.8x slower end to end), so this is
-  ``auto``'s layout on both backends until attention reads the blocks in place.
+  hole the next arrival fills: no KV moves on join or leave beyond the joiner's own.
+  ``auto``'s layout: attention reads it in place, where the paged gather copies every row's KV
+  every step (paged: 0.6-0.8x at 32-128 rows on an H200, 0.82-0.95x over HTTP at 8 clients on
+  a 2-core CPU, even with it in process there).
 
 Either way rows are right-aligned at position 0, every row attends to its own length only
 (``make_mask``) and RoPE takes each row's own offset: nothing is padded to another row's length
