@@ -428,6 +428,10 @@ class PagedKV:
         index = ids[:, None, :] * self.heads + np.arange(self.heads)[:, None]  # [2L, H, pages]
         got = self.store.reshape(-1, bs * dim)[mx.array(index)]
         got = got.reshape(len(ids), self.heads, -1, dim)  # [2L, H, pages * bs, D]
+        # Launched now: a read of the store still pending at the next step's write would make
+        # that write copy the whole store (the runner launches its prefill chunks at once, but
+        # the pages' KV is its caller's to keep for as long as it likes).
+        mx.async_eval(got)
         return [(got[2 * layer][None], got[2 * layer + 1][None]) for layer in range(self.n_layers)]
 
     def clear(self) -> None:
