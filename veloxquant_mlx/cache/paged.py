@@ -243,13 +243,13 @@ class DenseKV:
 class PagedKV:
     """The pool's blocks as the memory, read through tables a whole block at a time.
 
-    One MLX array holds every block id's K or V (a block id is either, so the store is exactly
-    the pool): block ``b`` is ``[heads, block_size, head_dim]``, at rows ``b * heads *
-    block_size`` on of ``[(n_ids + 1) * heads * block_size, head_dim]`` (the last block is the
-    scratch block holes write to). Heads outside positions inside, as in attention's
-    ``[rows, heads, positions, head_dim]``: a gather of a row's blocks, viewed as
-    ``[n_ids * heads, block_size * head_dim]`` and indexed by ``id * heads + head``, lands in
-    that layout as it is (a reshape, no transpose, and block-sized copies).
+    One MLX array, ``[(n_ids + 1) * heads * block_size, head_dim]``, holds every block id's K
+    or V (a block id is either, so the store is exactly the pool; the last block is the
+    scratch block holes write to). Block ``b`` is ``[heads, block_size, head_dim]`` from row
+    ``b * heads * block_size`` on: heads outside, positions inside, as in attention's
+    ``[rows, heads, positions, head_dim]``. So a gather of a row's blocks from the store viewed
+    as ``[(n_ids + 1) * heads, block_size * head_dim]``, indexed by ``id * heads + head``,
+    lands in that layout as it is (a reshape, no transpose, block-sized copies).
 
     A row's table is ``2 * n_layers`` lists of block ids in position order (K of layer ``l`` at
     ``2l``, V at ``2l + 1``). The tables of the batch's rows are mirrored in one numpy array,
@@ -276,7 +276,7 @@ class PagedKV:
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._version = 0  # bumped whenever _tables changes
         self._reads_key: tuple[int, int, int] | None = None  # (version, rows, blocks) of _reads
-        self._reads: list[mx.array] = []  # per layer: [rows, heads, 2, blocks] of id*heads+head
+        self._reads: list[mx.array] = []  # per layer: [1, rows, heads, 2, blocks], id*heads+head
         self._blocks: mx.array | None = None  # this step's view of the store, one block-head a row
         self._write: mx.array | None = None  # this step's store rows for the new tokens
         self._new: list[mx.array] = []  # and the tokens, by stream: [rows, heads, 1, dim] each
