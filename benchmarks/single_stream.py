@@ -41,7 +41,8 @@ def decode_loop(
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from veloxquant_mlx.cache.paged import StepBatch, StepCache, make_kv
+    from veloxquant_mlx.cache.paged import make_kv
+    from veloxquant_mlx.cache.step import StepBatch, StepCache
 
     t0 = time.perf_counter()
     caches: list[Any] = make_prompt_cache(model)

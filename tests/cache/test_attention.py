@@ -9,7 +9,8 @@ from mlx_lm.models import base, llama
 
 from veloxquant_mlx.cache import attention
 from veloxquant_mlx.cache.attention import RaggedAttention
-from veloxquant_mlx.cache.paged import READ_CHUNK, DenseKV, PagedKV, StepCache
+from veloxquant_mlx.cache.paged import DenseKV, PagedKV
+from veloxquant_mlx.cache.step import READ_CHUNK, StepCache
 
 
 def qkv(rows: int, n_heads: int, n_kv: int, width: int, d: int = 16, capacity: int = 0):

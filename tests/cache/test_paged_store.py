@@ -1,12 +1,15 @@
-"""The paged store is written in place: no step, join or cached-page read makes MLX copy it.
+"""The paged store is written in place: no step, join or cached-page read holds it at a write.
 
-MLX writes into an array in place only when nothing else references it; a read of the store
-still pending when the next write comes makes that write copy the whole pool. These tests
-watch MLX's peak memory, which a copy of the store raises by the store's size.
+MLX writes into an array in place only when nothing else references it: an unevaluated read
+of the store at the next write, or a launched one that has not run yet, makes that write copy
+the whole pool. These tests let each launched step finish (the second case is MLX's timing,
+not something a layout can hold or release) and watch MLX's peak memory, which a copy of the
+store raises by the store's size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -37,15 +40,16 @@ def step(kv: PagedKV, positions: list[int]) -> None:
         new = mx.ones((rows, HEADS, 1, DIM))
         outs += list(kv.write_read(layer, new, new, batch))
     mx.async_eval(outs)  # launched ahead, as the runner does
+    mx.synchronize()  # and run before the next write (see the module docstring)
 
 
-def store_copies(kv: PagedKV, action: object) -> float:
+def store_copies(kv: PagedKV, action: Callable[[], None]) -> float:
     """Peak memory above the live set while ``action`` runs, in stores."""
     mx.synchronize()
     assert kv.store is not None
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    action()  # type: ignore[operator]
+    action()
     mx.synchronize()
     return (mx.get_peak_memory() - base) / kv.store.nbytes
 
@@ -75,9 +79,9 @@ def test_steps_joins_and_cached_page_reads_write_the_store_in_place() -> None:
 
 
 def test_cached_pages_kept_unevaluated_across_steps_do_not_make_them_copy_the_store() -> None:
-    """A caller may keep the cached pages' KV unevaluated across steps; the read is launched
-    by ``read_pages`` itself, so the steps' writes stay in place (without that launch this
-    copied the store: peak memory one store above the live set)."""
+    """A caller may keep the cached pages' KV unevaluated across steps; ``read_pages`` reads
+    them itself, so the steps' writes stay in place (without that this copied the store: peak
+    memory one store above the live set)."""
     kv = PagedKV(LAYERS, BS, N_IDS)
     kv.put_row(0, prefilled(40, 0), table(0, 3))
     mx.eval(kv.store)

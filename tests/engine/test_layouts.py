@@ -149,7 +149,7 @@ def test_rows_at_one_position_match_stock_caches(arch_model, layout):
 
 
 def test_a_step_batch_masks_only_what_some_row_must_not_see():
-    from veloxquant_mlx.cache.paged import StepBatch
+    from veloxquant_mlx.cache.step import StepBatch
 
     level = StepBatch([6, 6])
     assert level.uniform and level.mask(None) is None and level.mask(8) is None

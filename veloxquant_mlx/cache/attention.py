@@ -7,7 +7,7 @@ heads (one 1-row product per query head). ``matmul_attention`` takes a KV head's
 the rows of one product instead (``[rows, kv_heads, q_per_kv, D] @ K^T``): K and V are read
 once per KV head, where they lie (a strided view of the working set, no copy). MLX's CUDA
 matmul plans per shape, so a dense step that attends this way reads its keys in chunks of
-``paged.READ_CHUNK`` positions (masked past each row's own): the shapes change every 128 steps,
+``step.READ_CHUNK`` positions (masked past each row's own): the shapes change every 128 steps,
 not every step. Measured on an H200, 8B shape, one whole decode step with the keys growing
 as in serving (BENCHMARKS.md, "Ragged rows"): even with the mask path at 8 rows, 1.17x at 32,
 1.66x at 128. On a CPU both are the same ops, so ``auto`` keeps MLX's own there, and on a GPU
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+from veloxquant_mlx.cache.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
@@ -121,8 +123,6 @@ def install(model: Any) -> int:
 
 
 def _routed(original: Any) -> Any:
-    from veloxquant_mlx.cache.paged import StepCache  # paged imports this module
-
     def scaled_dot_product_attention(
         queries: mx.array,
         keys: mx.array,

@@ -18,8 +18,8 @@ Either way rows are right-aligned at position 0, every row attends to its own le
 (``make_mask``) and RoPE takes each row's own offset: nothing is padded to another row's length
 in the accounting, which is the pool's (``blocks held == blocks holding tokens``) in both.
 
-``StepCache`` is what an mlx_lm model sees for one layer during a decode step: the cache protocol
-(``offset``, ``update_and_fetch``, ``make_mask``) over the layout. Engine thread only.
+A layout is what ``cache.step.StepCache`` writes to and reads from for an mlx_lm model during a
+decode step. Engine thread only.
 """
 
 from __future__ import annotations
@@ -30,101 +30,10 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant_mlx.cache.attention import RaggedAttention
+from veloxquant_mlx.cache.step import StepBatch
 
 ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many
-SLOT_CHUNK = 256  # and its capacity in chunks of this many positions
-# A masked dense step under matmul attention reads this many positions at a time: the products'
-# shapes then change every 128 steps, not every step (MLX's CUDA matmul plans per shape; the
-# extra positions are masked). A divisor of SLOT_CHUNK, so the read stays inside the capacity.
-READ_CHUNK = 128
-
-
-class StepBatch:
-    """One decode step's per-row facts, shared by every layer's ``StepCache``.
-
-    Args:
-        positions: Where each row's new token goes (= its tokens already in KV), [rows].
-        matmul: A masked step attends through ``cache.attention.matmul_attention``.
-        width_chunk: A masked step reads its keys in multiples of this many positions.
-
-    ``width`` is the positions every row's keys span after the write (max position + 1);
-    ``read_width`` what a step reads and masks: ``width``, rounded up to ``width_chunk`` when
-    rows sit at different positions (every layer has a mask then).
-    """
-
-    def __init__(self, positions: list[int], matmul: bool = False, width_chunk: int = 1) -> None:
-        self.positions_list = positions
-        self.matmul = matmul
-        self.positions = mx.array(positions, dtype=mx.int32)
-        self.width = max(positions) + 1
-        # Every row at the same position (one stream, or rows that joined together): each row
-        # sees all ``width`` positions, so no mask is needed, and the new tokens go in with one
-        # slice update. Both are what stock ``KVCache`` gives one stream; a mask also moves
-        # MLX's CUDA attention off its vector kernel.
-        self.uniform = min(positions) == self.width - 1
-        chunk = 1 if self.uniform else width_chunk
-        self.read_width = -(-self.width // chunk) * chunk
-        self._masks: dict[int | None, mx.array] = {}
-        self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
-
-    def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
-        """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
-        where that is every position of every row (unless ``return_array``)."""
-        if not return_array and self.uniform and (window is None or self.width <= window):
-            return None
-        m = self._masks.get(window)
-        if m is None:
-            cols = mx.arange(self.read_width)[None, :]
-            pos = self.positions[:, None]
-            m = cols <= pos
-            if window is not None:
-                m = m & (cols > pos - window)
-            m = m[:, None, None, :]
-            self._masks[window] = m
-        return m
-
-    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
-        """Row and head indices for writing one token per row at its position (made once a
-        step, not once a layer)."""
-        index = self._index.get(heads)
-        if index is None:
-            rows = len(self.positions_list)
-            index = self._index[heads] = (mx.arange(rows)[:, None], mx.arange(heads)[None, :])
-        return index
-
-
-class StepCache:
-    """The mlx_lm cache protocol for one layer in one decode step (one new token per row)."""
-
-    def __init__(self, kv: Any, layer: int, batch: StepBatch) -> None:
-        self.kv = kv
-        self.layer = layer
-        self.batch = batch
-        # What this step fetched. A pipeline stage (mlx_lm.models.pipeline) chains its send to
-        # the last layer's cache (``cache[-1].keys = mx.depends(cache[-1].keys, h)``); a step
-        # evaluates its logits, which hold the send already, so the chained value is kept and
-        # not used.
-        self.keys: mx.array | None = None
-
-    @property
-    def offset(self) -> mx.array | int:
-        """RoPE: each row at its own position (one int where they are all at one, as stock)."""
-        batch = self.batch
-        return batch.width - 1 if batch.uniform else batch.positions
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[2] != 1:
-            raise ValueError("a decode step takes one token per row")
-        fetched: tuple[mx.array, mx.array] = self.kv.write_read(
-            self.layer, keys, values, self.batch
-        )
-        self.keys = fetched[0]
-        return fetched
-
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None
-    ) -> mx.array | None:
-        return self.batch.mask(window_size, return_array)
+SLOT_CHUNK = 256  # and its capacity in chunks of this many positions (a multiple of READ_CHUNK)
 
 
 class DenseKV:
@@ -179,9 +88,7 @@ class DenseKV:
         """Tables are the pool's accounting only here: the rows hold the KV."""
 
     def step_batch(self, positions: list[int]) -> StepBatch:
-        """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
-        matmul = self.ragged.uses_matmul(len(positions))
-        return StepBatch(positions, matmul, READ_CHUNK if matmul else 1)
+        return StepBatch.planned(positions, self.ragged)
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         if self.k:
@@ -282,11 +189,15 @@ class PagedKV:
         self._new: list[mx.array] = []  # and the tokens, by stream: [rows, heads, 1, dim] each
         self._put: mx.array | None = None  # a ragged step's new-token positions, [rows, 1, 2, 1]
 
+    def _block_heads(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of the store's block view (one per block and head) of blocks ``ids``:
+        ``[*ids, heads]``. (A step's read indices are the same, made on the device.)"""
+        return ids[..., None] * self.heads + np.arange(self.heads)
+
     def _rows_of(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Store rows of position(s) ``pos`` in blocks ``ids``, one per head: ``[*ids, heads]``
         broadcast against ``pos``."""
-        heads, bs = self.heads, self.block_size
-        return (ids[..., None] * heads + np.arange(heads)) * bs + pos[..., None] % bs
+        return self._block_heads(ids) * self.block_size + pos[..., None] % self.block_size
 
     def _ensure(self, max_id: int, like: mx.array | None = None) -> None:
         """A store holding block ids up to ``max_id`` (made on the first row, shaped like its K)."""
@@ -348,9 +259,7 @@ class PagedKV:
         self._version += 1
 
     def step_batch(self, positions: list[int]) -> StepBatch:
-        """The facts of a step over rows at ``positions`` (a matmul step reads in chunks)."""
-        matmul = self.ragged.uses_matmul(len(positions))
-        return StepBatch(positions, matmul, READ_CHUNK if matmul else 1)
+        return StepBatch.planned(positions, self.ragged)
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         """This step's write rows (and read indices, where the tables changed); the previous
@@ -425,13 +334,14 @@ class PagedKV:
         assert self.store is not None
         bs, dim = self.block_size, self.store.shape[1]
         ids = np.array([p.ids for p in pages], dtype=np.int64).T  # [2L, pages]
-        index = ids[:, None, :] * self.heads + np.arange(self.heads)[:, None]  # [2L, H, pages]
+        index = self._block_heads(ids).transpose(0, 2, 1)  # [2L, H, pages]
         got = self.store.reshape(-1, bs * dim)[mx.array(index)]
         got = got.reshape(len(ids), self.heads, -1, dim)  # [2L, H, pages * bs, D]
-        # Launched now: a read of the store still pending at the next step's write would make
-        # that write copy the whole store (the runner launches its prefill chunks at once, but
-        # the pages' KV is its caller's to keep for as long as it likes).
-        mx.async_eval(got)
+        # Read now: an unevaluated read of the store at the next step's write makes that write
+        # copy the whole store (the pages' KV is its caller's to keep for as long as it likes).
+        # A launch alone is not enough: MLX also copies when the write comes before a launched
+        # read has run (DESIGN-NOTES, "Deferred paged write").
+        mx.eval(got)
         return [(got[2 * layer][None], got[2 * layer + 1][None]) for layer in range(self.n_layers)]
 
     def clear(self) -> None:

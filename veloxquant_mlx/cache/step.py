@@ -1,0 +1,116 @@
+"""What an mlx_lm model sees of the engine's batch KV during one decode step.
+
+``StepBatch`` holds the step's per-row facts (positions, mask, how it attends and reads);
+``StepCache`` is the cache protocol for one layer (``offset``, ``update_and_fetch``,
+``make_mask``) over a layout of ``cache.paged``, which holds the KV. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.cache.attention import RaggedAttention
+
+# A masked dense step under matmul attention reads this many positions at a time: the products'
+# shapes then change every 128 steps, not every step (MLX's CUDA matmul plans per shape; the
+# extra positions are masked). A divisor of paged.SLOT_CHUNK, so a read stays inside the dense
+# capacity.
+READ_CHUNK = 128
+
+
+class StepBatch:
+    """One decode step's per-row facts, shared by every layer's ``StepCache``.
+
+    Args:
+        positions: Where each row's new token goes (= its tokens already in KV), [rows].
+        matmul: A masked step attends through ``cache.attention.matmul_attention``.
+        width_chunk: A masked step reads its keys in multiples of this many positions.
+
+    ``width`` is the positions every row's keys span after the write (max position + 1);
+    ``read_width`` what a step reads and masks: ``width``, rounded up to ``width_chunk`` when
+    rows sit at different positions (every layer has a mask then).
+    """
+
+    def __init__(self, positions: list[int], matmul: bool = False, width_chunk: int = 1) -> None:
+        self.positions_list = positions
+        self.matmul = matmul
+        self.positions = mx.array(positions, dtype=mx.int32)
+        self.width = max(positions) + 1
+        # Every row at the same position (one stream, or rows that joined together): each row
+        # sees all ``width`` positions, so no mask is needed, and the new tokens go in with one
+        # slice update. Both are what stock ``KVCache`` gives one stream; a mask also moves
+        # MLX's CUDA attention off its vector kernel.
+        self.uniform = min(positions) == self.width - 1
+        chunk = 1 if self.uniform else width_chunk
+        self.read_width = -(-self.width // chunk) * chunk
+        self._masks: dict[int | None, mx.array] = {}
+        self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
+
+    @classmethod
+    def planned(cls, positions: list[int], ragged: RaggedAttention) -> StepBatch:
+        """A step over rows at ``positions`` as ``ragged`` says: a matmul step reads in
+        ``READ_CHUNK``s (both layouts plan their steps here)."""
+        matmul = ragged.uses_matmul(len(positions))
+        return cls(positions, matmul, READ_CHUNK if matmul else 1)
+
+    def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
+        """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
+        where that is every position of every row (unless ``return_array``)."""
+        if not return_array and self.uniform and (window is None or self.width <= window):
+            return None
+        m = self._masks.get(window)
+        if m is None:
+            cols = mx.arange(self.read_width)[None, :]
+            pos = self.positions[:, None]
+            m = cols <= pos
+            if window is not None:
+                m = m & (cols > pos - window)
+            m = m[:, None, None, :]
+            self._masks[window] = m
+        return m
+
+    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
+        """Row and head indices for writing one token per row at its position (made once a
+        step, not once a layer)."""
+        index = self._index.get(heads)
+        if index is None:
+            rows = len(self.positions_list)
+            index = self._index[heads] = (mx.arange(rows)[:, None], mx.arange(heads)[None, :])
+        return index
+
+
+class StepCache:
+    """The mlx_lm cache protocol for one layer in one decode step (one new token per row)."""
+
+    def __init__(self, kv: Any, layer: int, batch: StepBatch) -> None:
+        self.kv = kv
+        self.layer = layer
+        self.batch = batch
+        # What this step fetched. A pipeline stage (mlx_lm.models.pipeline) chains its send to
+        # the last layer's cache (``cache[-1].keys = mx.depends(cache[-1].keys, h)``); a step
+        # evaluates its logits, which hold the send already, so the chained value is kept and
+        # not used.
+        self.keys: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array | int:
+        """RoPE: each row at its own position (one int where they are all at one, as stock)."""
+        batch = self.batch
+        return batch.width - 1 if batch.uniform else batch.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] != 1:
+            raise ValueError("a decode step takes one token per row")
+        fetched: tuple[mx.array, mx.array] = self.kv.write_read(
+            self.layer, keys, values, self.batch
+        )
+        self.keys = fetched[0]
+        return fetched
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | None:
+        return self.batch.mask(window_size, return_array)
