@@ -3,9 +3,9 @@
 Each turn: callers' commands run (shrink, scoring), cancels apply, new requests join the queue;
 the scheduler admits what the pool holds now; prefill chunks run under a token budget; every
 running row gets the block its next token needs (preempting the newest request when the pool is
-out); one decode step is launched; the previous step's tokens are read back, turned into text
-and delivered, and finished requests leave with their blocks freed in a ``finally``. Then one
-frozen ``Snapshot`` is published for ``/metrics`` and ``/admin``.
+out); one decode step is launched; the previous step's tokens are read back (``readback``),
+turned into text and delivered, and finished requests leave with their blocks freed in a
+``finally``. Then one frozen ``Snapshot`` is published for ``/metrics`` and ``/admin``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.group import Group
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox, Snapshot
+from veloxquant_mlx.engine.readback import push_finish, read_back
 from veloxquant_mlx.engine.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.running import Running
 from veloxquant_mlx.engine.sampling import make_processors, make_sampler
@@ -44,9 +45,6 @@ from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
     REQUEST_FAILED,
     EngineNotReadyError,
-    FinishEvent,
-    TokenEvent,
-    Usage,
 )
 
 log = logging.getLogger("veloxquant.engine")
@@ -170,9 +168,10 @@ class EngineCore:
                 self._make_room(row)
         launched = runner.step(sched.max_block_id) if runner.rows else None
         if launched is not None:
-            if self.config.launch_after_previous:
-                for sampled in self._inflight:  # built while it ran; launched once it is done
-                    mx.eval(sampled.tokens)
+            if self.config.launch_after_previous and self._inflight:
+                # Built while the previous step ran; launched once MLX has let go of that
+                # step's inputs (synchronize, not its tokens: they are ready before that).
+                mx.synchronize()
             runner.launch(launched)
         # Read back what was launched before this step (and prefills' first tokens) while the
         # new step runs.
@@ -267,49 +266,9 @@ class EngineCore:
             self.inbox.counters.prompt_tokens += seq.n_prompt
 
     def _absorb(self, sampled: Sampled) -> None:
-        """Read back one launch's tokens: text, stop strings, logprobs, finishes."""
-        tokens: list[int] = sampled.tokens.tolist()  # type: ignore[assignment]
-        now = time.monotonic()
-        eos = self.parts.eos
-        finished: list[tuple[Seq, str]] = []
-        stepped: list[Running] = []
-        for i, seq in enumerate(sampled.seqs):
-            if seq is None:  # a hole
-                continue
-            run: Running | None = seq.out
-            if run is None or seq.handle.done or seq.request_id not in self._live:
-                continue
-            token = tokens[i]
-            seq.tokens.append(token)
-            stepped.append(run)
-            if run.fault.error is not None:
-                continue
-            at_eos = token in eos
-            try:  # this request's own text, stop strings and logprobs: its fault alone
-                text, stopped = run.add_eos() if at_eos else run.add_token(token)
-                row = None if sampled.logprobs is None else sampled.logprobs[i]
-                logprob, top = run.logprobs(token, row)
-            except Exception as exc:
-                run.fault.record("detokenizer or logprobs", exc)
-                continue
-            if at_eos and logprob is None:  # EOS has no text: an event only to carry logprobs
-                finished.append((seq, "stop"))
-                continue
-            run.pending.append(TokenEvent(token, text, now, logprob, top))
-            run.peak_blocks = max(run.peak_blocks, 2 * self.scheduler.n_layers * seq.n_blocks)
-            if stopped:
-                finished.append((seq, "stop"))
-            elif run.n_generated >= seq.handle.request.max_tokens:
-                finished.append((seq, "length"))
-        with self.inbox.lock:
-            self.inbox.counters.generated_tokens += len(stepped)
-        ending = {id(s) for s, _ in finished}
-        interval = self.config.stream_interval
-        # Tokens go out when some request is due (its first token, `interval` since its last
-        # delivery, its finish), and then everyone's pending tokens go along: each delivery
-        # wakes the consumer's thread, so one wake-up carries as much as it can.
-        if ending or any(r.is_due(now, interval) for r in stepped):
-            RequestHandle.push_tokens([(r.handle, r.take_all(now)) for r in stepped])
+        """Read back one launch's tokens (``readback``); end the requests that finished."""
+        n_layers, interval = self.scheduler.n_layers, self.config.stream_interval
+        finished = read_back(sampled, self._live, self.parts.eos, n_layers, interval, self.inbox)
         for seq, reason in finished:
             self._end(seq, reason)
 
@@ -338,40 +297,18 @@ class EngineCore:
                         run.fault.record("detokenizer", exc)
                         self._faulted.clear()
                         reason, error, code = "error", run.fault.error, REQUEST_FAILED
-            self.push_finish(
+            push_finish(
+                self.inbox,
                 seq.handle,
                 reason,
                 0 if run is None else run.n_generated,
                 0 if run is None else run.peak_blocks,
+                self.parts.kv_bytes_per_block,
                 tail,
                 error,
                 code,
                 seq.pages.n_cached,
             )
-
-    def push_finish(
-        self,
-        handle: RequestHandle,
-        reason: str,
-        n_generated: int,
-        peak_blocks: int,
-        tail: str = "",
-        error: str | None = None,
-        code: str | None = None,
-        cached_tokens: int = 0,
-    ) -> None:
-        usage = Usage(
-            prompt_tokens=len(handle.request.prompt_tokens),
-            completion_tokens=n_generated,
-            peak_kv_blocks=peak_blocks,
-            peak_kv_bytes=peak_blocks * self.parts.kv_bytes_per_block,
-            cached_tokens=cached_tokens,
-        )
-        with self.inbox.lock:
-            self.inbox.counters.finished[reason] += 1
-            if code is not None:
-                self.inbox.counters.failed[code] += 1
-        handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error, code))
 
     # ------------------------------------------------------------------ commands
 
@@ -442,7 +379,7 @@ class EngineCore:
         taken, futures = self.turns.take_unapplied()
         for handle in [*handles, *taken, *adds]:
             if not handle.done:
-                self.push_finish(handle, "error", 0, 0, error=message, code=ENGINE_FAILED)
+                push_finish(self.inbox, handle, "error", 0, 0, 0, error=message, code=ENGINE_FAILED)
         for future in [*futures, *(f for _, f in commands)]:
             if not future.done():
                 future.set_exception(EngineNotReadyError(message))
