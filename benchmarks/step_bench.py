@@ -11,8 +11,9 @@ one client, ``generate_step`` with stock caches (single-stream decode). Peak mem
 ``--attention sdpa,matmul`` also runs each variant per ragged-attention mode
 (``cache/attention.py``; ``auto`` alone by default), keyed ``LAYOUT/LAUNCH/MODE``.
 
-``--launch ahead`` (the engine's default) starts a step as soon as it is built, one step ahead of
-the tokens being read; ``after`` waits for the previous step to finish first.
+``--launch ahead`` starts a step as soon as it is built, one step ahead of the tokens being read;
+``after`` waits for the previous step to finish first; ``auto`` (the default) is the engine's:
+the layout's choice (dense ahead, paged after: ``cache/paged.py`` says why).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def main() -> None:
     p.add_argument("--max-tokens", default="128", help="N or LO-HI (varied lengths)")
     p.add_argument("--per-level", type=int, default=0, help="requests per level (default 3c)")
     p.add_argument("--layouts", default="dense,paged")
-    p.add_argument("--launch", default="ahead", help="ahead,after")
+    p.add_argument("--launch", default="auto", help="auto (the layout's), ahead, after")
     p.add_argument("--peers", default="library,stock")
     p.add_argument("--attention", default="auto", help="ragged attention modes, e.g. sdpa,matmul")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
@@ -167,7 +168,7 @@ def main() -> None:
                     kv_cache_mb=args.kv_cache_mb,
                     max_running=max(c, 1),
                     max_queue=4 * n,
-                    launch_after_previous=launch == "after",
+                    launch_after_previous={"ahead": False, "after": True}.get(launch),
                 )
             ).start()
             try:

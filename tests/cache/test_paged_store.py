@@ -2,9 +2,9 @@
 
 MLX writes into an array in place only when nothing else references it: an unevaluated read
 of the store at the next write, or a launched one that has not run yet, makes that write copy
-the whole pool. These tests let each launched step finish (the second case is MLX's timing,
-not something a layout can hold or release) and watch MLX's peak memory, which a copy of the
-store raises by the store's size.
+the whole pool. The engine launches a paged step once the previous one is done
+(``PagedKV.launch_after_previous``); these tests do the same, and show what launching ahead
+does. They watch MLX's peak memory, which a copy of the store raises by the store's size.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import mlx.core as mx
+import pytest
 
 from veloxquant_mlx.cache.paged import PagedKV
 
@@ -39,8 +40,8 @@ def step(kv: PagedKV, positions: list[int]) -> None:
     for layer in range(LAYERS):
         new = mx.ones((rows, HEADS, 1, DIM))
         outs += list(kv.write_read(layer, new, new, batch))
-    mx.async_eval(outs)  # launched ahead, as the runner does
-    mx.synchronize()  # and run before the next write (see the module docstring)
+    mx.async_eval(outs)
+    mx.synchronize()  # done before the next step's write, as the engine waits for it
 
 
 def store_copies(kv: PagedKV, action: Callable[[], None]) -> float:
@@ -96,3 +97,36 @@ def test_cached_pages_kept_unevaluated_across_steps_do_not_make_them_copy_the_st
         mx.eval(held)
 
     assert store_copies(kv, hit_evaluated_two_steps_later) < 0.5
+
+
+def slow_steps(kv: PagedKV, first: int, n: int, wait: bool) -> None:
+    """``n`` one-row steps whose store reads queue behind ~ms of other work, each launched at
+    once (``wait``: once the previous step is done, as the engine launches a paged step)."""
+    w = mx.random.normal((512, 512), key=mx.random.key(0))
+    for i in range(n):
+        batch = kv.step_batch([first + i])
+        kv.begin_step(batch, 4 * N_IDS - 1)
+        outs = []
+        for layer in range(LAYERS):
+            new = mx.ones((1, HEADS, 1, DIM))
+            k, v = kv.write_read(layer, new, new, batch)
+            outs.append((w @ w).sum() + k.sum() + v.sum())
+        if wait:
+            mx.synchronize()
+        mx.async_eval(outs)
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_step_launched_before_the_previous_one_ran_copies_the_store(wait: bool) -> None:
+    """Why the engine waits (``launch_after_previous``): launched while the previous step's
+    read of the store is still queued, a step's write copies the whole store; launched after,
+    it writes in place. (If MLX ever writes in place past a pending read, the ahead case fails
+    and the wait can go.)"""
+    kv = PagedKV(LAYERS, BS, 4 * N_IDS)  # 32 MiB: well above the steps' own temporaries
+    kv.put_row(0, prefilled(40, 0), table(0, 3))
+    mx.eval(kv.store)
+    copies = store_copies(kv, lambda: slow_steps(kv, 40, 8, wait))
+    if wait:
+        assert copies < 0.5
+    else:
+        assert copies >= 0.9

@@ -113,6 +113,9 @@ class DenseKV:
         return k[:rows, :, :w], v[:rows, :, :w]
 
     keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
+    # Launched ahead, a step's writes may copy a layer's rows when the previous step still
+    # reads them; measured cheaper than waiting (BENCHMARKS.md, "Launch").
+    launch_after_previous = False
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
         """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each. A
@@ -327,6 +330,11 @@ class PagedKV:
         return got[:, :, :w], got[:, :, half : half + w]
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
+    # A step's first write goes into the store the previous step reads. MLX holds a launched
+    # step's inputs until it has run, and writes in place only into an array nothing else
+    # holds, so launched ahead that write copies the whole pool (DESIGN-NOTES, "Deferred paged
+    # write"): a step is launched once the previous one is done (its graph is built meanwhile).
+    launch_after_previous = True
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
         """The cached pages' KV through their block ids, per layer: ``[1, H, pages * bs, D]``."""

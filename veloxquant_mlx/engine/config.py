@@ -35,9 +35,10 @@ class EngineConfig:
     # (the measured best: matmul on a GPU, sdpa on a CPU).
     ragged_attention: str = "auto"
     # Launch a decode step only once the previous one has finished (its graph is built while
-    # it runs). False (measured faster: BENCHMARKS.md, "Launch") launches at once, one step
-    # ahead of the tokens being read, as mlx_lm's BatchGenerator does.
-    launch_after_previous: bool = False
+    # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
+    # BatchGenerator does (the dense layout's choice: measured faster, BENCHMARKS.md "Launch").
+    # None: the layout's choice (cache.paged: the paged store is written in place only after).
+    launch_after_previous: bool | None = None
     # Share full KV blocks between requests with the same token prefix (engine/prefix_cache.py).
     prefix_caching: bool = True
     # The smallest request the pool must be able to hold, or the engine refuses to start

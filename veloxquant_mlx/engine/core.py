@@ -89,6 +89,8 @@ class EngineCore:
         self._changed = True
         self._holds_a_request = True  # checked at load; only a shrink can change it
         self.runner.on_join = self._cache_prompt
+        after = config.launch_after_previous
+        self._launch_after = self.runner.kv.launch_after_previous if after is None else after
 
     # ------------------------------------------------------------------ loop
 
@@ -168,7 +170,7 @@ class EngineCore:
                 self._make_room(row)
         launched = runner.step(sched.max_block_id) if runner.rows else None
         if launched is not None:
-            if self.config.launch_after_previous and self._inflight:
+            if self._launch_after and self._inflight:
                 # Built while the previous step ran; launched once MLX has let go of that
                 # step's inputs (synchronize, not its tokens: they are ready before that).
                 mx.synchronize()
