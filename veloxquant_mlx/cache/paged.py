@@ -114,7 +114,8 @@ class DenseKV:
 
     keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
     # Launched ahead, a step's writes may copy a layer's rows when the previous step still
-    # reads them; measured cheaper than waiting (BENCHMARKS.md, "Launch").
+    # reads them; measured cheaper than waiting (BENCHMARKS.md, "The paged store launched
+    # after the previous step").
     launch_after_previous = False
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:

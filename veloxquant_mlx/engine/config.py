@@ -36,8 +36,8 @@ class EngineConfig:
     ragged_attention: str = "auto"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
-    # BatchGenerator does (the dense layout's choice: measured faster, BENCHMARKS.md "Launch").
-    # None: the layout's choice (cache.paged: the paged store is written in place only after).
+    # BatchGenerator does (the dense layout's choice, measured faster). None: the layout's
+    # choice (cache.paged; BENCHMARKS.md, "The paged store launched after the previous step").
     launch_after_previous: bool | None = None
     # Share full KV blocks between requests with the same token prefix (engine/prefix_cache.py).
     prefix_caching: bool = True
