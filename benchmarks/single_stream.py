@@ -8,7 +8,8 @@ reported):
 - ``stock``: mlx_lm's ``generate_step`` with stock ``KVCache`` (the target's reference);
 - ``loop/stock``: the same decode written out (sample, ``async_eval``, read the previous token),
   so the two loops below differ from it only in their caches;
-- ``loop/dense``, ``loop/paged``: that loop over the engine's ``StepCache`` in each layout;
+- ``loop/dense``, ``loop/paged``: that loop over the engine's ``StepCache`` in each layout,
+  each step launched as the engine launches it (paged: once the previous one is done);
 - ``engine/dense``, ``engine/paged``: the engine itself, one client, one request at a time.
 
 ``*_vs_stock`` is the ratio of medians; ``*_vs_stock_paired`` the median of each round's ratio to
@@ -69,6 +70,8 @@ def decode_loop(
         logits = model(y[:, None], cache=step_caches)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         following = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        if kv is not None and kv.launch_after_previous:
+            mx.synchronize()  # as the engine launches this layout's steps (cache/paged.py)
         mx.async_eval(following)
         builds.append(time.perf_counter() - b0)
         tokens.append(y.item())
