@@ -117,7 +117,7 @@ def slow_steps(kv: PagedKV, first: int, n: int, wait: bool) -> None:
 
 
 @pytest.mark.parametrize("wait", [True, False])
-def test_a_step_launched_before_the_previous_one_ran_copies_the_store(wait: bool) -> None:
+def test_a_step_copies_the_store_only_when_launched_before_the_previous_one_ran(wait: bool) -> None:
     """Why the engine waits (``launch_after_previous``): launched while the previous step's
     read of the store is still queued, a step's write copies the whole store; launched after,
     it writes in place. (If MLX ever writes in place past a pending read, the ahead case fails
