@@ -25,43 +25,29 @@ import time
 from typing import Any
 
 from benchmarks.serving import SHAPES
-
-BLOCK = 16
+from benchmarks.single_stream import BLOCK, layout_with_rows, prefill, step_logits
 
 
 def run(
-    model: Any, prefill: Any, y0: Any, rows: int, layout: str, mode: str, extra_mb: float, n: int
+    model: Any, layers: Any, y0: Any, rows: int, layout: str, mode: str, extra_mb: float, n: int
 ) -> tuple[dict[str, Any], list[int]]:
-    """One run: its figures, and row 0's greedy tokens (the decode it timed)."""
+    """One run from a prefilled row (``single_stream.prefill``): its figures, and row 0's
+    greedy tokens (the decode it timed)."""
     import mlx.core as mx
 
-    from veloxquant_mlx.cache.paged import make_kv
-    from veloxquant_mlx.cache.step import StepBatch, StepCache
-
-    layers, start = len(prefill), prefill[0][0].shape[2]
-    blocks = -(-(start + n + 1) // BLOCK)
-    k = prefill[0][0]
+    k = layers[0][0]
     per_id = k.shape[1] * BLOCK * k.shape[3] * k.dtype.size
-    n_ids = rows * 2 * layers * blocks + int(extra_mb * 2**20 // per_id)
-    kv = make_kv(layout, layers, BLOCK, n_ids)
-    for r in range(rows):
-        first = r * 2 * layers * blocks
-        kv.put_row(
-            r, prefill, [[first + s * blocks + b for b in range(blocks)] for s in range(2 * layers)]
-        )
+    kv, n_ids = layout_with_rows(layout, layers, rows, n, int(extra_mb * 2**20 // per_id))
     y = mx.concatenate([y0] * rows)
     mx.eval(y, *([kv.store] if layout == "paged" else [*kv.k, *kv.v]))
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    position, times, tokens = start, [], []
+    position, times, tokens = k.shape[2], [], []
     t0 = time.perf_counter()
     for _ in range(n):
         a = time.perf_counter()
-        batch = StepBatch([position] * rows)
-        kv.begin_step(batch, n_ids - 1)
-        caches = [StepCache(kv, layer, batch) for layer in range(layers)]
-        logits = model(y[:, None], cache=caches)[:, -1, :]
+        logits = step_logits(model, kv, y, position, n_ids)
         following = mx.argmax(logits, axis=-1).astype(mx.uint32)
         if mode == "after":
             mx.eval(y)
@@ -100,17 +86,12 @@ def main() -> None:
     args = p.parse_args()
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     from benchmarks.step_bench import bench_model
 
     _, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-launch-")
     prompt = [3 + (7 * i) % 1997 for i in range(args.prompt_tokens)]
-    caches: list[Any] = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=caches)[:, -1, :]
-    prefill = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-    y0 = mx.argmax(logits, axis=-1).astype(mx.uint32)
-    mx.eval(y0, prefill)
+    _, layers, y0 = prefill(model, prompt)
     print(
         f"launch_probe: MLX {mx.__version__} on {mx.default_device()}, {args.shape} {dtype}",
         flush=True,
@@ -119,7 +100,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in ("ahead", "after", "sync"):
                 for layout, extra in (("paged", 0.0), ("paged", args.extra_mb), ("dense", 0.0)):
-                    out, _ = run(model, prefill, y0, rows, layout, mode, extra, args.steps)
+                    out, _ = run(model, layers, y0, rows, layout, mode, extra, args.steps)
                     print(json.dumps(out), flush=True)
 
 

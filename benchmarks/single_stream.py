@@ -32,6 +32,50 @@ from typing import Any
 
 from benchmarks.serving import SHAPES
 
+BLOCK = 16  # the engine's default block size
+
+
+def prefill(model: Any, prompt: list[int]) -> tuple[list[Any], list[tuple[Any, Any]], Any]:
+    """The prompt through stock caches: (the caches, each layer's K and V, the greedy next
+    token, launched)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches: list[Any] = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=caches)[:, -1, :]
+    y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+    mx.async_eval(y, layers)
+    return caches, layers, y
+
+
+def layout_with_rows(
+    layout: str, layers: list[tuple[Any, Any]], rows: int, n_new: int, extra_ids: int = 0
+) -> tuple[Any, int]:
+    """A ``cache.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
+    with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids)."""
+    from veloxquant_mlx.cache.paged import make_kv
+
+    n_layers, start = len(layers), layers[0][0].shape[2]
+    blocks = -(-(start + n_new + 1) // BLOCK)
+    n_ids = rows * 2 * n_layers * blocks + extra_ids
+    kv = make_kv(layout, n_layers, BLOCK, n_ids)
+    for r in range(rows):
+        first = r * 2 * n_layers * blocks
+        table = [[first + s * blocks + b for b in range(blocks)] for s in range(2 * n_layers)]
+        kv.put_row(r, layers, table)
+    return kv, n_ids
+
+
+def step_logits(model: Any, kv: Any, y: Any, position: int, n_ids: int) -> Any:
+    """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits."""
+    from veloxquant_mlx.cache.step import StepBatch, StepCache
+
+    batch = StepBatch([position] * y.shape[0])
+    kv.begin_step(batch, n_ids - 1)
+    caches = [StepCache(kv, layer, batch) for layer in range(kv.n_layers)]
+    return model(y[:, None], cache=caches)[:, -1, :]
+
 
 def decode_loop(
     model: Any, prompt: list[int], n: int, layout: str
@@ -40,34 +84,17 @@ def decode_loop(
     "paged"); returns (tok/s over the whole call, median host ms per step to build and
     launch, the greedy tokens)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from veloxquant_mlx.cache.paged import make_kv
-    from veloxquant_mlx.cache.step import StepBatch, StepCache
 
     t0 = time.perf_counter()
-    caches: list[Any] = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=caches)[:, -1, :]
-    y = mx.argmax(logits, axis=-1).astype(mx.uint32)
-    kv = None
-    if layout != "stock":
-        n_layers = len(caches)
-        blocks = -(-(len(prompt) + n + 1) // 16)
-        kv = make_kv(layout, n_layers, 16, 2 * n_layers * blocks)
-        table = [[s * blocks + b for b in range(blocks)] for s in range(2 * n_layers)]
-        prefilled = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-        kv.put_row(0, prefilled, table)
-    mx.async_eval(y)
+    caches, layers, y = prefill(model, prompt)
+    kv, n_ids = (None, 0) if layout == "stock" else layout_with_rows(layout, layers, 1, n)
     position, builds, tokens = len(prompt), [], []
     for _ in range(n):
         b0 = time.perf_counter()
         if kv is not None:
-            batch = StepBatch([position])
-            kv.begin_step(batch, 2 * len(caches) * blocks - 1)
-            step_caches: list[Any] = [StepCache(kv, i, batch) for i in range(len(caches))]
+            logits = step_logits(model, kv, y, position, n_ids)
         else:
-            step_caches = caches
-        logits = model(y[:, None], cache=step_caches)[:, -1, :]
+            logits = model(y[:, None], cache=caches)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         following = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         if kv is not None and kv.launch_after_previous:

@@ -7,22 +7,19 @@ import mlx.core as mx
 import pytest
 
 from benchmarks.launch_probe import run
+from benchmarks.single_stream import prefill
 
 
 @pytest.mark.parametrize("mode", ["ahead", "after", "sync"])
 @pytest.mark.parametrize("layout, extra_mb", [("paged", 0.0), ("paged", 2.0), ("dense", 0.0)])
 def test_each_mode_decodes_what_generate_step_does(default_model, layout, extra_mb, mode):
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = default_model
     prompt = [3 + (7 * i) % 1997 for i in range(37)]
     expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12)]
-    caches = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=caches)[:, -1, :]
-    prefill = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-    y0 = mx.argmax(logits, axis=-1).astype(mx.uint32)
-    result, tokens = run(model, prefill, y0, 2, layout, mode, extra_mb, 12)
+    _, layers, y0 = prefill(model, prompt)
+    result, tokens = run(model, layers, y0, 2, layout, mode, extra_mb, 12)
     assert tokens == expected
     assert result["rows"] == 2 and result["tok_s"] > 0
     if layout == "paged":
