@@ -15,6 +15,9 @@ reported):
 ``*_vs_stock`` is the ratio of medians; ``*_vs_stock_paired`` the median of each round's ratio to
 the stock run of the same round (what drift between rounds leaves alone).
 
+``loop/<layout>_same_tokens`` is how many of the last round's greedy tokens that layout's loop
+shares with ``loop/stock`` (all of them, unless a read is wrong or bfloat16 parts them late).
+
 ``build_ms`` is the host time a loop spends building and launching one step (Python, graph
 construction, the launch call): what a GPU step's compute has to hide. The engine's figure
 against ``loop/<layout>`` is its own loop's cost (scheduler, sampling, text, delivery); the loop's
@@ -155,10 +158,14 @@ def main() -> None:
             flush=True,
         )
         runs: list[tuple[str, Any]] = [("stock", lambda: (single_stream(model, prompt, n), None))]
+        decoded: dict[str, list[int]] = {}  # each loop's greedy tokens, last round
+
+        def loop_run(layout: str) -> tuple[float, float]:
+            rate, build, decoded[layout] = decode_loop(model, prompt, n, layout)
+            return rate, build
+
         for layout in ("stock", *layouts):
-            runs.append(
-                (f"loop/{layout}", lambda layout=layout: decode_loop(model, prompt, n, layout)[:2])
-            )
+            runs.append((f"loop/{layout}", lambda layout=layout: loop_run(layout)))
         for layout, engine in engines.items():
             runs.append(
                 (
@@ -185,6 +192,16 @@ def main() -> None:
         # rounds cancels), then the median over rounds
         pairs = [x / s for x, s in zip(samples[key], samples["stock"], strict=True)]
         result[f"{key}_vs_stock_paired"] = statistics.median(pairs)
+    for layout in layouts:
+        # How many greedy tokens each layout's loop shares with the loop over stock caches
+        # (in bfloat16, kernels that sum in another order may part late on a near tie; a wrong
+        # read parts early). A decode that is fast but wrong shows here.
+        same = 0
+        for a, b in zip(decoded.get(layout, []), decoded.get("stock", []), strict=False):
+            if a != b:
+                break
+            same += 1
+        result[f"loop/{layout}_same_tokens"] = same
     print(json.dumps({k: round(v, 3) for k, v in result.items()}), flush=True)
     if args.out:
         out = Path(args.out)

@@ -4,9 +4,10 @@ Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.
 
 - ``PagedKV``: the pool's blocks are the memory. One MLX array holds every block id's K or V,
   a block as ``[kv_heads, block_size, head_dim]``; a row's block table lists its blocks. A step
-  gathers each layer's K and V blocks whole, in one gather that lands in attention's layout
-  (the new token goes into the gathered copy); the step's new tokens reach the store in one
-  scatter when the next step begins (in place: nothing else references the store by then).
+  gathers each layer's K blocks and V blocks whole, each in one gather that lands in
+  attention's layout (the new token goes into the gathered copies); the step's new tokens
+  reach the store in one scatter when the next step begins (in place: nothing else references
+  the store by then).
 - ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
   row ``i`` = batch row ``i``. A row joins by copying its prefill into a free row and leaves a
   hole the next arrival fills: no KV moves on join or leave beyond the joiner's own.
@@ -165,8 +166,10 @@ class PagedKV:
     A row's table is ``2 * n_layers`` lists of block ids in position order (K of layer ``l`` at
     ``2l``, V at ``2l + 1``). The tables of the batch's rows are mirrored in one numpy array,
     updated when a row joins, leaves or gets a block; the read indices made from them are kept
-    until a table changes or a step needs another block, so a step of unchanged rows builds no
-    index but its writes'.
+    until a table changes or a step needs another block, and the write rows of each row's
+    current block until a table changes or a row moves into its next block, so a step of
+    unchanged rows adds its positions' offsets and builds no other index (no numpy work: a
+    stream's step on a GPU is host-bound).
     """
 
     kind = "paged"
@@ -187,9 +190,12 @@ class PagedKV:
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
         self._version = 0  # bumped whenever _tables changes
         self._reads_key: tuple[int, int, int] | None = None  # (version, rows, blocks) of _reads
-        self._reads: list[mx.array] = []  # per layer: [1, rows, heads, 2, blocks], id*heads+head
+        # per layer, K's and V's: [rows, heads, blocks] rows of the store's block view
+        self._reads: list[tuple[mx.array, mx.array]] = []
         self._blocks: mx.array | None = None  # this step's view of the store, one block-head a row
         self._write: mx.array | None = None  # this step's store rows for the new tokens
+        self._write_key: tuple[int, tuple[int, ...]] | None = None  # (version, block columns)
+        self._write_base: mx.array | None = None  # store rows of those columns' first positions
         self._new: list[mx.array] = []  # and the tokens, by stream: [rows, heads, 1, dim] each
         self._put: mx.array | None = None  # a ragged step's new-token positions, [rows, 1, 2, 1]
 
@@ -271,25 +277,37 @@ class PagedKV:
         self._flush()
         self._ensure(max_id)
         assert self.store is not None
-        rows = len(batch.positions_list)
-        n_blocks = -(-batch.read_width // self.block_size)
+        positions, bs = batch.positions_list, self.block_size
+        rows = len(positions)
+        n_blocks = -(-batch.read_width // bs)
         tab = self._tables[:rows]
-        pos = np.asarray(batch.positions_list)
-        ids = tab[np.arange(rows), :, pos // self.block_size].T  # [2L, rows]
-        self._write = mx.array(self._rows_of(ids, pos).reshape(-1))  # [2L * rows * heads]
+        # The store rows of each row's current block (one per stream and head), kept until a
+        # table changes or a row moves into its next block: a step then adds its offsets only.
+        cols = tuple(p // bs for p in positions)
+        if (self._version, cols) != self._write_key:
+            ids = tab[np.arange(rows), :, np.asarray(cols)].T  # [2L, rows]
+            self._write_base = mx.array(self._block_heads(ids) * bs)  # [2L, rows, heads]
+            self._write_key = (self._version, cols)
+        assert self._write_base is not None
+        if batch.uniform:
+            self._write = self._write_base + positions[0] % bs
+        else:
+            offsets = mx.array([p % bs for p in positions], dtype=mx.int32)
+            self._write = self._write_base + offsets[:, None]
         key = (self._version, rows, n_blocks)
         if key != self._reads_key:
             if tab.shape[2] < n_blocks:  # a chunked read past every table: the scratch block
                 pad = ((0, 0), (0, 0), (0, n_blocks - tab.shape[2]))
                 tab = np.pad(tab, pad, constant_values=self.n_ids)
-            by_layer = tab[:, :, :n_blocks].reshape(rows, self.n_layers, 1, 2, n_blocks)
-            ids_t = mx.array(np.ascontiguousarray(by_layer.transpose(1, 0, 2, 3, 4)))
-            heads = mx.arange(self.heads, dtype=mx.int32)[:, None, None]
-            self._reads = list(mx.split(ids_t * self.heads + heads, self.n_layers))
+            by_layer = tab[:, :, :n_blocks].reshape(rows, self.n_layers, 2, 1, n_blocks)
+            ids_t = mx.array(np.ascontiguousarray(by_layer.transpose(1, 2, 0, 3, 4)))
+            heads = mx.arange(self.heads, dtype=mx.int32)[:, None]
+            reads = ids_t * self.heads + heads  # [L, 2, rows, heads, blocks]
+            self._reads = [(reads[layer, 0], reads[layer, 1]) for layer in range(self.n_layers)]
             self._reads_key = key
-        if not batch.uniform:  # where each row's new K and V go in its gathered pair
-            put = np.stack([pos, pos + n_blocks * self.block_size], axis=1)
-            self._put = mx.array(put.reshape(rows, 1, 2, 1).astype(np.int32))
+        if not batch.uniform:  # where each row's new K and V go in its gathered blocks
+            put = np.asarray(positions, dtype=np.int32).reshape(rows, 1, 1, 1)
+            self._put = mx.array(put)
         self._blocks = self.store.reshape(-1, self.block_size * self.store.shape[1])
         self._new = []
 
@@ -300,35 +318,39 @@ class PagedKV:
         if self._new:
             assert self.store is not None and self._write is not None
             dim = self.store.shape[1]
-            vals = mx.concatenate(self._new).reshape(-1, dim)  # [2L * rows * heads, dim]
-            self.store[self._write] = vals
+            vals = mx.concatenate(self._new)  # [2L * rows, heads, 1, dim]
+            self.store[self._write] = vals.reshape(*self._write.shape, dim)
             self._new = []
 
     def write_read(
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
     ) -> tuple[mx.array, mx.array]:
-        """The layer's K and V through the tables, with the new token put in the gathered copy
+        """The layer's K and V through the tables, with the new token put in the gathered copies
         (it reaches the store at the next ``_flush``): the store is only read during a step.
 
-        One gather of whole blocks, K's then V's along one position axis of attention's layout
-        (``[rows, heads, 2 * read, dim]``), so K and V are plain slices of it: each op a layer
-        builds is host time on a GPU step, and a stream's step builds two more than stock's."""
+        One gather of whole blocks each for K and V, each landing in attention's layout
+        (``[rows, heads, read, dim]``). Each is its own array, as the dense layout's K and V
+        are: MLX's CUDA decode attention gave wrong outputs from about 370 positions on (and
+        at times an illegal memory access) when K and V were two slices of one gathered array
+        (DESIGN-NOTES, "Paged K and V in their own arrays")."""
         assert self._blocks is not None
         rows, heads, _, dim = keys.shape
         if keys.dtype != self._blocks.dtype:
             keys, values = keys.astype(self._blocks.dtype), values.astype(self._blocks.dtype)
-        got = self._blocks[self._reads[layer]].reshape(rows, heads, -1, dim)
-        half = got.shape[2] // 2
+        k_rows, v_rows = self._reads[layer]
+        k = self._blocks[k_rows].reshape(rows, heads, -1, dim)
+        v = self._blocks[v_rows].reshape(rows, heads, -1, dim)
         if batch.uniform:  # one position for all: slice updates
             p0 = batch.width - 1
-            got[:, :, p0 : p0 + 1] = keys
-            got[:, :, half + p0 : half + p0 + 1] = values
+            k[:, :, p0 : p0 + 1] = keys
+            v[:, :, p0 : p0 + 1] = values
         else:
             assert self._put is not None
-            got = mx.put_along_axis(got, self._put, mx.concatenate([keys, values], 2), axis=2)
+            k = mx.put_along_axis(k, self._put, keys, axis=2)
+            v = mx.put_along_axis(v, self._put, values, axis=2)
         self._new += [keys, values]
         w = batch.read_width
-        return got[:, :, :w], got[:, :, half : half + w]
+        return k[:, :, :w], v[:, :, :w]
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
     # A step's first write goes into the store the previous step reads. MLX holds a launched
