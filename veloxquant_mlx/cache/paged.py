@@ -197,7 +197,7 @@ class PagedKV:
         self._write_key: tuple[int, tuple[int, ...]] | None = None  # (version, block columns)
         self._write_base: mx.array | None = None  # store rows of those columns' first positions
         self._new: list[mx.array] = []  # and the tokens, by stream: [rows, heads, 1, dim] each
-        self._put: mx.array | None = None  # a ragged step's new-token positions, [rows, 1, 2, 1]
+        self._put: mx.array | None = None  # a ragged step's new-token positions, [rows, 1, 1, 1]
 
     def _block_heads(self, ids: np.ndarray) -> np.ndarray:
         """Rows of the store's block view (one per block and head) of blocks ``ids``:
