@@ -326,6 +326,41 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine):
     assert len(during) >= 10
 
 
+class _Widths:
+    """The model, recording the width of every forward it runs (the engine thread's only)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.widths = model, []
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.widths.append(inputs.shape[1])
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_prompt_one_chunk_holds_goes_in_whole_not_split_by_the_budget_left(make_engine):
+    gate, box = threading.Event(), {}
+
+    def hook() -> None:  # engine thread, before a turn: wrap the model, hold the first turn
+        runner = box["engine"]._core.runner
+        if not isinstance(runner.model, _Widths):
+            box["spy"] = runner.model = _Widths(runner.model)
+        gate.wait(30)
+
+    engine = make_engine(prefill_budget=100, prefix_caching=False, step_hook=hook)
+    box["engine"] = engine
+    ps = [(p * 60)[:60] for p in prompts(engine, 3)]
+    handles = [engine.submit(request(p, max_tokens=4)) for p in ps]
+    gate.set()
+    for h in handles:
+        assert len(token_ids(h)) == 4
+    # the budget (100) holds one 60-token prompt and 40 tokens of the next: the next waits a
+    # turn and goes in whole (split, it would take two forwards of 40 and 20)
+    assert sorted(w for w in box["spy"].widths if w > 1) == [60, 60, 60]
+
+
 def test_a_shrunk_pool_refuses_with_503_what_the_configured_pool_would_hold(make_engine):
     engine = make_engine(n_blocks=2 * 400)
     assert engine.shrink("kv", 0) == 800

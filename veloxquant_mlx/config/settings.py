@@ -85,8 +85,9 @@ class Settings(BaseSettings):
     engine_process: bool = Field(
         False,
         description="Run the engine (model, scheduler, pool) in a process of its own, so that "
-        "HTTP and SSE work never holds the GIL a decode step waits for (measured no faster on "
-        "an H200 at 128 clients: DESIGN-NOTES.md); off: a thread of the server's process.",
+        "HTTP and SSE work never holds the GIL a decode step waits for (on an H200 at 128 "
+        "clients 1.16-1.36x the thread, mixed at 32: DESIGN-NOTES.md); off: a thread of the "
+        "server's process.",
     )
     pipeline: bool = Field(
         False,

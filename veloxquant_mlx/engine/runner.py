@@ -126,7 +126,8 @@ class Runner:
     def prefill_within(self, pending: list[Seq], budget: int) -> list[Sampled]:
         """Prefill ``pending`` rows (admitted, not joined; oldest first) under a token budget
         for this turn: whole short prompts that arrived together in one padded forward, the
-        rest a chunk at a time. Returns the first tokens of the rows that joined."""
+        rest a chunk at a time, a prompt that one chunk holds only whole. Returns the first
+        tokens of the rows that joined."""
         results: list[Sampled] = []
         fresh: list[Seq] = []
         width = 0
@@ -141,11 +142,18 @@ class Runner:
             results.append(self.prefill_together(fresh))
             budget -= width * len(fresh)
             pending = [s for s in pending if s not in fresh]
+        spent = len(results) > 0
         for seq in pending:
             if budget <= 0:
                 break
+            if spent and budget < min(len(seq.tokens) - seq.n_kv, self.prefill_step):
+                # A forward costs the host about the same whatever its width (its kernel
+                # launches): a prompt the budget left cannot finish waits for the next turn,
+                # where it goes in whole, rather than go in as two forwards.
+                continue
             n, first = self.prefill(seq, budget)
             budget -= n
+            spent = True
             if first is not None:
                 results.append(first)
         return results
