@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -266,10 +267,21 @@ def main() -> None:
     print("\n".join(report(results, levels)))
 
 
+NO_TEXT = (
+    "no text: TTFT is the time to the first text, and no stream of that level had any (with "
+    "the shape's vocabulary most sampled ids decode to nothing): pass --tokenizer-vocab"
+)
+
+
+def _ms(value: float) -> str:
+    return "no text" if math.isnan(value) else f"{value:.0f}"
+
+
 def report(results: dict[str, Any], levels: list[int]) -> list[str]:
     servers = [k for k in results if k.startswith("ours-") or k == "mlx_lm"]
     head = "| clients | library tok/s | " + " | ".join(f"{s} tok/s (TTFT p99 ms)" for s in servers)
     lines = [head + " |", "|---:|---:|" + "---:|" * len(servers)]
+    unseen = False
     for c in levels:
         lib = results.get("library", {}).get(c)
         cells = [f"{lib:.0f}" if lib else "-"]
@@ -280,12 +292,13 @@ def report(results: dict[str, Any], levels: list[int]) -> list[str]:
                 continue
             frac = f", {r['tok_s'] / lib:.0%} of library" if lib else ""
             hits = r.get("prefix_hit_rate")
-            cached = f", TTFT p50 {r['ttft_p50_ms']:.0f}, hits {hits:.0%}" if hits else ""
+            cached = f", TTFT p50 {_ms(r['ttft_p50_ms'])}, hits {hits:.0%}" if hits else ""
+            unseen = unseen or math.isnan(r["ttft_p99_ms"])
             cells.append(
-                f"{r['tok_s']:.0f} ({r['ttft_p99_ms']:.0f}{frac}{cached}, {r['errors']:.0f} err)"
+                f"{r['tok_s']:.0f} ({_ms(r['ttft_p99_ms'])}{frac}{cached}, {r['errors']:.0f} err)"
             )
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return lines
+    return [*lines, "", NO_TEXT] if unseen else lines
 
 
 if __name__ == "__main__":
