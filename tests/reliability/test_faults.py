@@ -188,7 +188,11 @@ def test_engine_failure_makes_the_process_exit_non_zero(tmp_path, default_model_
         results: list[httpx.Response] = []
 
         def one():
-            body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "stream": True}
+            # greedy, so that the fault's turn comes: sampled, a request can end at EOS first,
+            # and then nothing fails (one CI run timed out here, cause not established);
+            # greedy "x" runs all 300
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "stream": True,
+                    "temperature": 0}  # fmt: skip
             results.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60))
 
         threads = [threading.Thread(target=one) for _ in range(2)]
@@ -234,7 +238,8 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_
         started = threading.Barrier(3)
 
         def one():
-            body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "stream": True}
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "stream": True,
+                    "temperature": 0}  # fmt: skip
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
                 started.wait(30)
                 r.read()
