@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,7 +109,7 @@ def model_dir(name: str, work: Path) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="embedded,100m")
+    p.add_argument("--models", default="embedded,100m", help="comma-separated: embedded, 100m")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--requests", type=int, default=64, help="per server and level, all rounds")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per level")
@@ -117,8 +118,29 @@ def main() -> None:
     p.add_argument("--only-pressure", action="store_true", help="just the memory-pressure run")
     p.add_argument("--skip-pressure", action="store_true", help="no memory-pressure run")
     p.add_argument("--blas-gemv", action="store_true", help="ours with its (opt-in) gemv forwarder")
+    p.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep the work folder (models, server logs); by default it is removed after a run "
+        "that succeeds and kept, with its path printed, after one that fails",
+    )
     args = p.parse_args()
+    unknown = set(args.models.split(",")) - {"embedded", "100m"}
+    if unknown:
+        p.error(f"--models: unknown {', '.join(sorted(unknown))} (known: embedded, 100m)")
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
+    try:
+        run(args, work)
+    except BaseException:
+        print(f"compare: failed; models and server logs kept in {work}", file=sys.stderr)
+        raise
+    if args.keep_work:
+        print(f"compare: models and server logs kept in {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
     # Both servers on the same BLAS: theirs with it preloaded, ours choosing it itself (its
     # default --blas auto picks the same library; --blas-gemv adds the opt-in forwarder).
     ours_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}

@@ -11,7 +11,9 @@ submit to first token of a request that arrives while 32 others are decoding (me
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -35,6 +37,7 @@ def main() -> None:
     from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 
     cache_dir = tempfile.mkdtemp(prefix="vq-bench-")
+    atexit.register(shutil.rmtree, cache_dir, True)
     model_dir = ensure_default_model(cache_dir)
     model, tokenizer = mlx_lm.load(str(model_dir))
     model.set_dtype(mx.float32)

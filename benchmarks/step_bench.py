@@ -19,8 +19,10 @@ the layout's choice (dense ahead, paged after: ``cache/paged.py`` says why).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -33,13 +35,17 @@ from benchmarks.serving import SHAPES, write_model
 def bench_model(
     shape: str, dtype: str | None, work: str | None, prefix: str
 ) -> tuple[Path, Any, str]:
-    """A random-weight model of ``shape`` written under ``work`` (default: a tmp dir) and loaded:
-    (its directory, the model, its dtype: bfloat16 on a GPU, float32 on a CPU unless given)."""
+    """A random-weight model of ``shape`` written under ``work`` (default: a tmp dir, removed
+    when the process exits: an 8B shape is 16 GB) and loaded: (its directory, the model, its
+    dtype: bfloat16 on a GPU, float32 on a CPU unless given)."""
     import mlx.core as mx
     import mlx_lm
 
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
-    target = Path(work or tempfile.mkdtemp(prefix=prefix))
+    if work is None:
+        work = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, work, True)
+    target = Path(work)
     path = write_model(target / f"{shape}-{dtype}", shape, dtype)
     model, _ = mlx_lm.load(str(path))
     return path, model, dtype
