@@ -178,9 +178,9 @@ def main() -> None:
     p.add_argument(
         "--per-client",
         type=int,
-        default=2,
-        help="at least this many requests per client in a level (6+ so that the ramp-up and "
-        "the last requests do not dominate)",
+        default=6,
+        help="at least this many requests per client in a level (6+, so that the ramp-up and "
+        "the last requests do not dominate: BENCHMARKS.md, 'The load client was the limit')",
     )
     p.add_argument("--layouts", default="dense,paged")
     p.add_argument("--peers", default="library,mlx_lm")
