@@ -97,6 +97,9 @@ def table(rows: list[tuple[int, Side, Side, list[float]]]) -> list[str]:
     return lines
 
 
+MODELS = ("embedded", "100m")  # what ``model_dir`` makes
+
+
 def model_dir(name: str, work: Path) -> Path:
     if name == "embedded":
         from veloxquant_mlx.engine.default_model import ensure_default_model
@@ -109,7 +112,9 @@ def model_dir(name: str, work: Path) -> Path:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="embedded,100m", help="comma-separated: embedded, 100m")
+    p.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}"
+    )
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--requests", type=int, default=64, help="per server and level, all rounds")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per level")
@@ -125,9 +130,9 @@ def main() -> None:
         "that succeeds and kept, with its path printed, after one that fails",
     )
     args = p.parse_args()
-    unknown = set(args.models.split(",")) - {"embedded", "100m"}
+    unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
-        p.error(f"--models: unknown {', '.join(sorted(unknown))} (known: embedded, 100m)")
+        p.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
     work = Path(tempfile.mkdtemp(prefix="vq-compare-"))
     try:
         run(args, work)

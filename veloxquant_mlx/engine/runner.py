@@ -142,7 +142,7 @@ class Runner:
             results.append(self.prefill_together(fresh))
             budget -= width * len(fresh)
             pending = [s for s in pending if s not in fresh]
-        spent = len(results) > 0
+        spent = bool(results)  # the burst's forward ran
         for seq in pending:
             if budget <= 0:
                 break
