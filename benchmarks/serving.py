@@ -73,6 +73,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def layout_flags(layout: str) -> list[str]:
+    """Our server's flags for a benchmark layout: dense, paged, or fused (the paged layout with
+    ``--paged-attention fused``)."""
+    if layout == "fused":
+        return ["--kv-layout", "paged", "--paged-attention", "fused"]
+    return ["--kv-layout", layout]
+
+
+def layout_config(layout: str) -> dict[str, str]:
+    """``EngineConfig`` fields for a benchmark layout (as ``layout_flags``)."""
+    if layout == "fused":
+        return {"kv_layout": "paged", "paged_attention": "fused"}
+    return {"kv_layout": layout}
+
+
 def write_model(target: Path, shape: str, dtype: str, tokenizer_vocab: bool = False) -> Path:
     """A random-weight Llama of ``shape`` with the shipped tokenizer (reused if present).
     ``tokenizer_vocab``: the tokenizer's vocabulary instead of the shape's, so that sampled ids
@@ -182,7 +197,9 @@ def main() -> None:
         help="at least this many requests per client in a level (6+, so that the ramp-up and "
         "the last requests do not dominate: BENCHMARKS.md, 'The load client was the limit')",
     )
-    p.add_argument("--layouts", default="dense,paged")
+    p.add_argument(
+        "--layouts", default="dense,paged", help="of dense, paged, fused (paged, fused attention)"
+    )
     p.add_argument("--peers", default="library,mlx_lm")
     p.add_argument("--blas", default="off")
     p.add_argument("--kv-cache-mb", default="16384", help="our pool (the GPU has room)")
@@ -249,7 +266,7 @@ def main() -> None:
         )
         port = free_port()
         cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port",
-               str(port), "--kv-layout", layout, "--blas", a.blas, "--max-running", "256",
+               str(port), *layout_flags(layout), "--blas", a.blas, "--max-running", "256",
                "--max-queue", "1024", "--kv-cache-mb", a.kv_cache_mb,
                "--log-level", "warning", *extra]  # fmt: skip
         print(name, flush=True)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import SHAPES
+from benchmarks.serving import SHAPES, layout_config
 
 BLOCK = 16  # the engine's default block size
 
@@ -56,13 +56,16 @@ def layout_with_rows(
     layout: str, layers: list[tuple[Any, Any]], rows: int, n_new: int, extra_ids: int = 0
 ) -> tuple[Any, int]:
     """A ``cache.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
-    with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids)."""
+    with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids).
+    ``fused``: paged, attending through the tables (the model's attention must be routed:
+    ``cache.attention.install``)."""
     from veloxquant_mlx.cache.paged import make_kv
 
     n_layers, start = len(layers), layers[0][0].shape[2]
     blocks = -(-(start + n_new + 1) // BLOCK)
     n_ids = rows * 2 * n_layers * blocks + extra_ids
-    kv = make_kv(layout, n_layers, BLOCK, n_ids)
+    fused = layout == "fused"
+    kv = make_kv("paged" if fused else layout, n_layers, BLOCK, n_ids, fused=fused)
     for r in range(rows):
         first = r * 2 * n_layers * blocks
         table = [[first + s * blocks + b for b in range(blocks)] for s in range(2 * n_layers)]
@@ -117,7 +120,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--layouts", default="dense,paged")
+    p.add_argument("--layouts", default="dense,paged", help="of dense, paged, fused")
     p.add_argument("--work", default=None, help="where the model is written (default: a tmp dir)")
     p.add_argument("--out", default=None, help="write single_stream.json here")
     args = p.parse_args()
@@ -128,6 +131,10 @@ def main() -> None:
     from veloxquant_mlx.engine.engine import Engine, EngineConfig
 
     path, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-single-")
+    if "fused" in args.layouts.split(","):
+        from veloxquant_mlx.cache import attention
+
+        attention.install(model)  # the fused loop's attention goes through the tables
     prompt = [3 + (7 * i) % 1997 for i in range(args.prompt_tokens)]
     n = args.max_tokens
     layouts = [s for s in args.layouts.split(",") if s]
@@ -136,7 +143,7 @@ def main() -> None:
             EngineConfig(
                 model=str(path),
                 dtype=dtype,
-                kv_layout=layout,
+                **layout_config(layout),
                 kv_cache_mb=512,
                 max_running=1,
                 max_queue=4,

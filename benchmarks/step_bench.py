@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serving import SHAPES, write_model
+from benchmarks.serving import SHAPES, layout_config, write_model
 
 
 def bench_model(
@@ -169,7 +169,7 @@ def main() -> None:
                 EngineConfig(
                     model=str(path),
                     dtype=dtype,
-                    kv_layout=layout,
+                    **layout_config(layout),
                     ragged_attention=mode,
                     kv_cache_mb=args.kv_cache_mb,
                     max_running=max(c, 1),

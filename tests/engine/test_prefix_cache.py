@@ -43,15 +43,23 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int = 12) -> list[
     return out
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
+# "fused": the paged layout attending through its tables (cache/paged_attention.py)
+LAYOUTS = {
+    "dense": {"kv_layout": "dense"},
+    "paged": {"kv_layout": "paged"},
+    "fused": {"kv_layout": "paged", "paged_attention": "fused"},
+}
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged", "fused"])
 def test_hits_give_the_same_greedy_tokens_alone_and_batched(make_engine, layout):
     rng = random.Random(5)
     shared = words(rng, 3 * BS + 5)  # the shared part ends mid-block
     first = [shared + words(rng, 7)]
     # then alone (one hit), then batched with a miss and a hit that is the whole prompt but one
     later = [[shared + words(rng, 9)], [shared + words(rng, 4), words(rng, 30), shared[:33]]]
-    cached = make_engine(kv_cache_mb=32, kv_layout=layout, prefill_step=32)
-    plain = make_engine(kv_cache_mb=32, kv_layout=layout, prefill_step=32, prefix_caching=False)
+    cached = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefill_step=32)
+    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefill_step=32, prefix_caching=False)
     got = [run(cached, first)] + [run(cached, batch) for batch in later]
     want = [run(plain, first)] + [run(plain, batch) for batch in later]
     assert [[r[0] for r in b] for b in got] == [[r[0] for r in b] for b in want]
@@ -68,23 +76,24 @@ def test_hits_give_the_same_greedy_tokens_alone_and_batched(make_engine, layout)
     assert stats.cached_blocks > 0 and stats.evictable_blocks == stats.cached_blocks
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
+@pytest.mark.parametrize("layout", ["dense", "paged", "fused"])
 def test_the_next_turn_hits_through_the_previous_turns(make_engine, layout):
-    engine = make_engine(kv_cache_mb=32, kv_layout=layout)
+    engine = make_engine(kv_cache_mb=32, **LAYOUTS[layout])
     rng = random.Random(8)
     prompt = words(rng, 20)
     [(answer, cached, reason, _)] = run(engine, [prompt], max_tokens=40)
     assert (cached, reason) == (0, "length") and len(answer) == 40
     turn2 = prompt + answer + words(rng, 6)
     [(answer2, cached2, _, _)] = run(engine, [turn2], max_tokens=12)
-    # paged: the answer's full pages were cached when it ended (20 + 40 tokens -> 3 blocks);
+    # paged (fused too): the answer's full pages were cached when it ended (20 + 40 tokens
+    # -> 3 blocks);
     # dense: only prompts are cached (1 block of the first prompt)
-    assert cached2 == (3 if layout == "paged" else 1) * BS
+    assert cached2 == (1 if layout == "dense" else 3) * BS
     turn3 = turn2 + answer2 + words(rng, 3)
     [(tokens3, cached3, _, _)] = run(engine, [turn3])
     # either way the third turn hits through the second prompt, which holds the first answer
     assert cached3 >= len(turn2) // BS * BS
-    plain = make_engine(kv_cache_mb=32, kv_layout=layout, prefix_caching=False)
+    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefix_caching=False)
     assert run(plain, [turn3])[0][0] == tokens3
 
 

@@ -13,6 +13,9 @@ as in serving (BENCHMARKS.md, "Ragged rows"): even with the mask path at 8 rows,
 1.66x at 128. On a CPU both are the same ops, so ``auto`` keeps MLX's own there, and on a GPU
 takes matmul from ``AUTO_MATMUL_MIN_ROWS`` rows.
 
+``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
+``PagedKV.attend`` (``cache.paged_attention``), which attends through the block tables.
+
 ``install`` routes a model's attention calls to it: it wraps the ``scaled_dot_product_attention``
 that the model's modules import from ``mlx_lm.models.base``, and the wrapper takes only calls
 whose cache is a ``StepCache`` of a step that asked for it (``StepBatch.matmul``), with an
@@ -132,6 +135,13 @@ def _routed(original: Any) -> Any:
         mask: Any,
         sinks: Any = None,
     ) -> mx.array:
+        if isinstance(cache, StepCache) and cache.fused:
+            # the fetched K and V are the new token only: attention must read the blocks
+            if sinks is not None or queries.shape[2] != 1:
+                raise ValueError("fused paged attention takes one query per row and no sinks")
+            cache.attended = True
+            out: mx.array = cache.kv.attend(cache.layer, queries, keys, values, scale)
+            return out
         if (
             isinstance(cache, StepCache)
             and cache.batch.matmul

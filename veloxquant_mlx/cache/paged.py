@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.cache import paged_attention
 from veloxquant_mlx.cache.attention import RaggedAttention
 from veloxquant_mlx.cache.step import StepBatch
 
@@ -180,11 +181,18 @@ class PagedKV:
         block_size: int,
         n_ids: int,
         ragged: RaggedAttention | None = None,
+        fused: bool = False,
     ) -> None:
         self.n_layers = n_layers
         self.block_size = block_size
         self.n_ids = n_ids
         self.ragged = ragged or RaggedAttention()
+        # Attention reads the blocks where they lie (cache.paged_attention), not gathered
+        # copies: ``write_read`` hands the new token back and the model's attention calls
+        # ``attend`` (``cache.attention.install`` routes it).
+        self.fused = fused
+        self._tabs: mx.array | None = None  # fused: [2L, rows, blocks] block ids, this step's
+        self._lens: mx.array | None = None  # fused: [rows] tokens with the new one
         self.store: mx.array | None = None
         self.heads = 0
         self._tables = np.zeros((ROW_CHUNK, 2 * n_layers, 1), dtype=np.int32)
@@ -299,13 +307,19 @@ class PagedKV:
             if tab.shape[2] < n_blocks:  # a chunked read past every table: the scratch block
                 pad = ((0, 0), (0, 0), (0, n_blocks - tab.shape[2]))
                 tab = np.pad(tab, pad, constant_values=self.n_ids)
-            by_layer = tab[:, :, :n_blocks].reshape(rows, self.n_layers, 2, 1, n_blocks)
-            ids_t = mx.array(np.ascontiguousarray(by_layer.transpose(1, 2, 0, 3, 4)))
-            heads = mx.arange(self.heads, dtype=mx.int32)[:, None]
-            reads = ids_t * self.heads + heads  # [L, 2, rows, heads, blocks]
-            self._reads = [(reads[layer, 0], reads[layer, 1]) for layer in range(self.n_layers)]
+            tab = tab[:, :, :n_blocks]
+            if self.fused:  # the tables as they are, by stream: [2L, rows, blocks]
+                self._tabs = mx.array(np.ascontiguousarray(tab.transpose(1, 0, 2)))
+            else:
+                by_layer = tab.reshape(rows, self.n_layers, 2, 1, n_blocks)
+                ids_t = mx.array(np.ascontiguousarray(by_layer.transpose(1, 2, 0, 3, 4)))
+                heads = mx.arange(self.heads, dtype=mx.int32)[:, None]
+                reads = ids_t * self.heads + heads  # [L, 2, rows, heads, blocks]
+                self._reads = [(reads[i, 0], reads[i, 1]) for i in range(self.n_layers)]
             self._reads_key = key
-        if not batch.uniform:  # where each row's new K and V go in its gathered blocks
+        if self.fused:
+            self._lens = batch.positions + 1
+        elif not batch.uniform:  # where each row's new K and V go in its gathered blocks
             put = np.asarray(positions, dtype=np.int32).reshape(rows, 1, 1, 1)
             self._put = mx.array(put)
         self._blocks = self.store.reshape(-1, self.block_size * self.store.shape[1])
@@ -337,6 +351,9 @@ class PagedKV:
         rows, heads, _, dim = keys.shape
         if keys.dtype != self._blocks.dtype:
             keys, values = keys.astype(self._blocks.dtype), values.astype(self._blocks.dtype)
+        if self.fused:  # attention reads the blocks and this token where they are (``attend``)
+            self._new += [keys, values]
+            return keys, values
         k_rows, v_rows = self._reads[layer]
         k = self._blocks[k_rows].reshape(rows, heads, -1, dim)
         v = self._blocks[v_rows].reshape(rows, heads, -1, dim)
@@ -351,6 +368,19 @@ class PagedKV:
         self._new += [keys, values]
         w = batch.read_width
         return k[:, :, :w], v[:, :, :w]
+
+    def attend(
+        self, layer: int, queries: mx.array, keys: mx.array, values: mx.array, scale: float
+    ) -> mx.array:
+        """Fused: layer ``layer``'s attention for this step's queries through the block tables,
+        with the new token ``keys``/``values`` (``write_read``'s) in its place."""
+        assert self.store is not None and self._tabs is not None and self._lens is not None
+        if queries.dtype != self.store.dtype:
+            queries = queries.astype(self.store.dtype)
+        args = (queries, keys, values, self.store, self._tabs, layer, self._lens, scale)
+        if paged_attention.kernel_runs(self.store.shape[1]):
+            return paged_attention.attend(*args, self.block_size)
+        return paged_attention.reference(*args, self.block_size)
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy
     # A step's first write goes into the store the previous step reads. MLX holds a launched
@@ -383,10 +413,39 @@ class PagedKV:
 
 
 def make_kv(
-    kind: str, n_layers: int, block_size: int, n_ids: int, ragged: RaggedAttention | None = None
+    kind: str,
+    n_layers: int,
+    block_size: int,
+    n_ids: int,
+    ragged: RaggedAttention | None = None,
+    fused: bool = False,
 ) -> DenseKV | PagedKV:
+    """The layout ``kind`` ("dense" or "paged"; ``fused``: paged, attending through the tables)."""
+    if fused and kind != "paged":
+        raise ValueError("fused paged attention needs the paged KV layout")
     if kind == "dense":
         return DenseKV(n_layers, block_size, ragged)
     if kind == "paged":
-        return PagedKV(n_layers, block_size, n_ids, ragged)
+        return PagedKV(n_layers, block_size, n_ids, ragged, fused)
     raise ValueError(f"kv layout must be 'dense' or 'paged', got {kind!r}")
+
+
+def fused_unreached(
+    model: Any, n_layers: int, heads: int, head_dim: int, block_size: int
+) -> list[int]:
+    """The layers whose attention would not reach ``PagedKV.attend`` in a fused step of
+    ``model`` (after ``cache.attention.install``): one one-row step's graph, built and never
+    evaluated. All of them if the step cannot be built (sliding windows, sinks, odd shapes)."""
+    from veloxquant_mlx.cache.step import StepCache
+
+    kv = PagedKV(n_layers, block_size, 2 * n_layers, fused=True)
+    zeros = mx.zeros((1, heads, 1, head_dim))
+    kv.put_row(0, [(zeros, zeros)] * n_layers, [[i] for i in range(2 * n_layers)])
+    batch = StepBatch([1])
+    kv.begin_step(batch, 2 * n_layers - 1)
+    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
+    try:
+        model(mx.array([[0]]), cache=caches)
+    except (ValueError, TypeError, IndexError):
+        return list(range(n_layers))
+    return [c.layer for c in caches if not c.attended]

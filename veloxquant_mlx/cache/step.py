@@ -94,6 +94,10 @@ class StepCache:
         # evaluates its logits, which hold the send already, so the chained value is kept and
         # not used.
         self.keys: mx.array | None = None
+        # Fused paged attention (cache.paged_attention): ``update_and_fetch`` hands back the
+        # new token and the routed attention (cache.attention) reads the blocks, and says so.
+        self.fused: bool = getattr(kv, "fused", False)
+        self.attended = False
 
     @property
     def offset(self) -> mx.array | int:
@@ -113,4 +117,8 @@ class StepCache:
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | None:
+        if self.fused:  # attention takes each row's length from the layout, not a mask
+            if window_size is not None:
+                raise ValueError("fused paged attention has no sliding windows")
+            return None
         return self.batch.mask(window_size, return_array)

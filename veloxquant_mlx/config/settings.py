@@ -77,6 +77,13 @@ class Settings(BaseSettings):
         "(MLX's, with a mask), matmul (each KV head's query heads as one product's rows), auto "
         "(the measured best: matmul on a GPU, sdpa on a CPU).",
     )
+    paged_attention: Literal["gather", "fused"] = Field(
+        "gather",
+        description="How the paged layout's decode steps read the blocks: gather (copies of each "
+        "row's blocks, then MLX's attention), fused (attention through the block tables where "
+        "the blocks lie: one CUDA kernel a layer on MLX's CUDA backend, the same in MLX ops "
+        "elsewhere). Needs --kv-layout paged.",
+    )
     prefix_caching: bool = Field(
         True,
         description="Share full KV blocks between requests with the same prompt prefix "

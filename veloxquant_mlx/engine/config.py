@@ -34,6 +34,10 @@ class EngineConfig:
     # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
     # (the measured best: matmul on a GPU, sdpa on a CPU).
     ragged_attention: str = "auto"
+    # How the paged layout's decode attention reads the blocks (cache/paged_attention.py):
+    # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
+    # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).
+    paged_attention: str = "gather"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
     # BatchGenerator does (the dense layout's choice, measured faster). None: the layout's

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.cache import attention
-from veloxquant_mlx.cache.paged import make_kv
+from veloxquant_mlx.cache.paged import fused_unreached, make_kv
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.default_model import ensure_default_model
@@ -151,6 +151,36 @@ def kv_layout(requested: str, geometry: KVGeometry) -> str:
     return "dense"
 
 
+def fused_attention(
+    requested: str, layout: str, model: Any, geometry: KVGeometry, block_size: int
+) -> bool:
+    """Whether the paged layout attends through its block tables (``--paged-attention
+    fused``), after checking that every layer's attention reaches it.
+
+    Raises:
+        ValueError: An unknown mode, fused without the paged layout, or a model whose
+            attention does not go through mlx_lm's ``scaled_dot_product_attention`` for every
+            layer (or uses sliding windows or sinks): it would attend to the new token alone.
+    """
+    if requested not in ("gather", "fused"):
+        raise ValueError(f"paged attention must be 'gather' or 'fused', got {requested!r}")
+    if requested == "gather":
+        return False
+    if layout != "paged":
+        raise ValueError("--paged-attention fused needs --kv-layout paged")
+    attention.install(model)
+    missing = fused_unreached(
+        model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, block_size
+    )
+    if missing:
+        raise ValueError(
+            f"--paged-attention fused: this model's attention in layers {missing} does not go "
+            "through mlx_lm's scaled_dot_product_attention (or uses sliding windows or "
+            "sinks); use --paged-attention gather"
+        )
+    return True
+
+
 def build_runtime(cfg: EngineConfig) -> Runtime:
     """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
@@ -190,9 +220,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
     layout = kv_layout(cfg.kv_layout, geometry)
     ragged = attention.choose(cfg.ragged_attention)
-    if ragged.mode == "matmul":
+    fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
+    if ragged.mode == "matmul" or fused:
         attention.install(model)
-    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged)
+    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused)
     runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
@@ -204,7 +235,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
-        layout,
+        layout + (" (fused attention)" if fused else ""),
         ragged.label,
         "on" if cfg.prefix_caching else "off",
         blas,

@@ -47,6 +47,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_budget=max(settings.prefill_budget, settings.prefill_step),
         kv_layout=settings.kv_layout,
         ragged_attention=settings.ragged_attention,
+        paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,
         stream_interval=settings.stream_interval_ms / 1000,
         # at least a one-token prompt and one block of completion (or the default max_tokens)
