@@ -378,7 +378,7 @@ class PagedKV:
         if queries.dtype != self.store.dtype:
             queries = queries.astype(self.store.dtype)
         args = (queries, keys, values, self.store, self._tabs, layer, self._lens, scale)
-        if paged_attention.kernel_runs(self.store.shape[1]):
+        if paged_attention.kernel_runs(self.store.shape[1], queries.shape[1] // keys.shape[1]):
             return paged_attention.attend(*args, self.block_size)
         return paged_attention.reference(*args, self.block_size)
 

@@ -131,10 +131,15 @@ _scales: dict[float, mx.array] = {}
 _layers: dict[int, mx.array] = {}
 
 
-def kernel_runs(head_dim: int) -> bool:
-    """Whether ``fused`` runs the kernel here (MLX's CUDA backend, the default device, a head
-    dim of whole warps); elsewhere it runs the same attention in MLX ops."""
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu and head_dim % 32 == 0
+SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
+
+
+def kernel_runs(head_dim: int, group: int) -> bool:
+    """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
+    dim of whole warps, and the warps' partials for ``group`` query heads per KV head in shared
+    memory. Elsewhere it runs the same attention in MLX ops (``reference``)."""
+    fits = head_dim % 32 == 0 and WARPS * group * (head_dim + 2) * 4 <= SHARED_BYTES
+    return fits and mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 def attend(
