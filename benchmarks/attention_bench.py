@@ -149,7 +149,7 @@ def model_step(model: Any, config: dict[str, Any], rows: int, width: int, repeat
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from veloxquant_mlx.cache.paged import DenseKV
+    from veloxquant_mlx.cache.dense import DenseKV
     from veloxquant_mlx.cache.step import READ_CHUNK, StepBatch, StepCache
 
     n_layers = config["num_hidden_layers"]

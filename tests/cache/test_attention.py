@@ -9,7 +9,8 @@ from mlx_lm.models import base, llama
 
 from veloxquant_mlx.cache import attention
 from veloxquant_mlx.cache.attention import RaggedAttention
-from veloxquant_mlx.cache.paged import DenseKV, PagedKV
+from veloxquant_mlx.cache.dense import DenseKV
+from veloxquant_mlx.cache.paged import PagedKV
 from veloxquant_mlx.cache.step import READ_CHUNK, StepCache
 
 

@@ -2,18 +2,14 @@
 
 Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.md, "Paged KV"):
 
-- ``PagedKV``: the pool's blocks are the memory. One MLX array holds every block id's K or V,
-  a block as ``[kv_heads, block_size, head_dim]``; a row's block table lists its blocks. A step
-  gathers each layer's K blocks and V blocks whole, each in one gather that lands in
-  attention's layout (the new token goes into the gathered copies); the step's new tokens
-  reach the store in one scatter when the next step begins (in place: nothing else references
-  the store by then).
-- ``DenseKV``: a contiguous working set per layer, ``[rows, kv_heads, capacity, head_dim]``,
-  row ``i`` = batch row ``i``. A row joins by copying its prefill into a free row and leaves a
-  hole the next arrival fills: no KV moves on join or leave beyond the joiner's own.
-  ``auto``'s layout: attention reads it in place, where the paged gather copies every row's KV
-  every step (paged: 0.6-0.8x at 32-128 rows on an H200, 0.82-0.95x over HTTP at 8 clients on
-  a 2-core CPU, even with it in process there).
+- ``PagedKV`` (here): the pool's blocks are the memory. One MLX array holds every block id's K
+  or V, a block as ``[kv_heads, block_size, head_dim]``; a row's block table lists its blocks.
+  A step gathers each layer's K blocks and V blocks whole, each in one gather that lands in
+  attention's layout (the new token goes into the gathered copies), or with ``fused``
+  attends through the tables where the blocks lie (``cache.paged_attention``); the step's new
+  tokens reach the store in one scatter when the next step begins (in place: nothing else
+  references the store by then).
+- ``DenseKV`` (``cache.dense``): a contiguous working set per layer, ``auto``'s layout.
 
 Either way rows are right-aligned at position 0, every row attends to its own length only
 (``make_mask``) and RoPE takes each row's own offset: nothing is padded to another row's length
@@ -32,125 +28,8 @@ import numpy as np
 
 from veloxquant_mlx.cache import paged_attention
 from veloxquant_mlx.cache.attention import RaggedAttention
+from veloxquant_mlx.cache.dense import ROW_CHUNK, DenseKV
 from veloxquant_mlx.cache.step import StepBatch
-
-ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many
-SLOT_CHUNK = 256  # and its capacity in chunks of this many positions (a multiple of READ_CHUNK)
-
-
-class DenseKV:
-    """Contiguous per-layer working set; row ``i`` holds batch row ``i``'s tokens from 0."""
-
-    kind = "dense"
-
-    def __init__(
-        self, n_layers: int, block_size: int = 16, ragged: RaggedAttention | None = None
-    ) -> None:
-        self.n_layers = n_layers
-        self.block_size = block_size
-        self.ragged = ragged or RaggedAttention()
-        self.k: list[mx.array] = []
-        self.v: list[mx.array] = []
-        self.rows = 0  # allocated rows
-        self.capacity = 0  # allocated positions per row
-
-    def _grow(self, rows: int, positions: int, like: tuple[mx.array, mx.array]) -> None:
-        new_rows = max(self.rows, -(-rows // ROW_CHUNK) * ROW_CHUNK)
-        new_cap = max(self.capacity, -(-positions // SLOT_CHUNK) * SLOT_CHUNK)
-        if new_rows == self.rows and new_cap == self.capacity:
-            return
-        _, heads, _, k_dim = like[0].shape
-        v_dim = like[1].shape[3]
-        for name, dim, dtype in (("k", k_dim, like[0].dtype), ("v", v_dim, like[1].dtype)):
-            arrays = getattr(self, name)
-            grown = []
-            for layer in range(self.n_layers):
-                fresh = mx.zeros((new_rows, heads, new_cap, dim), dtype=dtype)
-                if arrays:
-                    fresh[: self.rows, :, : self.capacity] = arrays[layer]
-                grown.append(fresh)
-            setattr(self, name, grown)
-        self.rows, self.capacity = new_rows, new_cap
-
-    def put_row(
-        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
-    ) -> None:
-        """Copy a prefilled row's KV (each layer's ``[1, H, T, D]`` K and V) into row ``row``
-        (all of it: the row is its only copy here, ``start`` is for the paged layout)."""
-        n = layers[0][0].shape[2]
-        self._grow(row + 1, n + 1, layers[0])
-        for layer, (k, v) in enumerate(layers):
-            self.k[layer][row : row + 1, :, :n] = k
-            self.v[layer][row : row + 1, :, :n] = v
-
-    def set_hole(self, row: int) -> None:
-        """Row ``row`` left: its slot is written at position 0 and never read until reused."""
-
-    def set_table(self, row: int, table: list[list[int]], start: int = 0) -> None:
-        """Tables are the pool's accounting only here: the rows hold the KV."""
-
-    def step_batch(self, positions: list[int]) -> StepBatch:
-        return StepBatch.planned(positions, self.ragged)
-
-    def begin_step(self, batch: StepBatch, max_id: int) -> None:
-        if self.k:
-            self._grow(len(batch.positions_list), batch.width + 1, (self.k[0], self.v[0]))
-
-    def write_read(
-        self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
-    ) -> tuple[mx.array, mx.array]:
-        rows = keys.shape[0]
-        k, v = self.k[layer], self.v[layer]
-        if batch.uniform:  # one position for all: a slice update, as stock KVCache does
-            p0 = batch.width - 1
-            k[:rows, :, p0 : p0 + 1] = keys
-            v[:rows, :, p0 : p0 + 1] = values
-        else:
-            r, h = batch.scatter_index(keys.shape[1])
-            p = batch.positions[:, None]
-            k[r, h, p] = keys[:, :, 0, :]
-            v[r, h, p] = values[:, :, 0, :]
-        self.k[layer], self.v[layer] = k, v
-        w = batch.read_width  # <= capacity: begin_step grew it to width + 1 in SLOT_CHUNKs
-        return k[:rows, :, :w], v[:rows, :, :w]
-
-    keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
-    # Launched ahead, a step's writes may copy a layer's rows when the previous step still
-    # reads them; measured cheaper than waiting (BENCHMARKS.md, "The paged store launched
-    # after the previous step").
-    launch_after_previous = False
-
-    def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
-        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each. A
-        page's payload is ``(span, j)``: page ``j`` of a span copied at registration (one
-        array per layer and stream); runs of consecutive pages of one span are one slice."""
-        runs: list[tuple[Any, int, int]] = []  # (span, first page, pages)
-        for page in pages:
-            span, j = page.kv
-            last = runs[-1] if runs else None
-            if last is not None and last[0] is span and last[1] + last[2] == j:
-                runs[-1] = (span, last[1], last[2] + 1)
-            else:
-                runs.append((span, j, 1))
-        out = []
-        for layer in range(self.n_layers):
-            pair = []
-            for s in (0, 1):
-                parts = []
-                for span, j, n in runs:
-                    bs = self.block_size
-                    parts.append(span[layer][s][:, :, j * bs : (j + n) * bs])
-                pair.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
-            out.append((pair[0], pair[1]))
-        return out
-
-    def clear(self) -> None:
-        """Drop the working set (the batch is empty): its memory goes back to MLX."""
-        self.k, self.v = [], []
-        self.rows = self.capacity = 0
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.k, *self.v))
 
 
 class PagedKV:
@@ -191,6 +70,7 @@ class PagedKV:
         # copies: ``write_read`` hands the new token back and the model's attention calls
         # ``attend`` (``cache.attention.install`` routes it).
         self.fused = fused
+        self._kernel = paged_attention.PagedAttention()
         self._tabs: mx.array | None = None  # fused: [2L, rows, blocks] block ids, this step's
         self._lens: mx.array | None = None  # fused: [rows] tokens with the new one
         self.store: mx.array | None = None
@@ -379,7 +259,7 @@ class PagedKV:
             queries = queries.astype(self.store.dtype)
         args = (queries, keys, values, self.store, self._tabs, layer, self._lens, scale)
         if paged_attention.kernel_runs(self.store.shape[1], queries.shape[1] // keys.shape[1]):
-            return paged_attention.attend(*args, self.block_size)
+            return self._kernel(*args, self.block_size)
         return paged_attention.reference(*args, self.block_size)
 
     keeps_pages = True  # a cached page's KV stays in its blocks: nothing to copy

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 WARPS = 8  # per thread block: 256 threads
+SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
 
 _HEADER = """
 #include <cuda_bf16.h>
@@ -126,13 +127,6 @@ _SOURCE = """
     }
 """
 
-_kernel: Any = None
-_scales: dict[float, mx.array] = {}
-_layers: dict[int, mx.array] = {}
-
-
-SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
-
 
 def kernel_runs(head_dim: int, group: int) -> bool:
     """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
@@ -142,56 +136,74 @@ def kernel_runs(head_dim: int, group: int) -> bool:
     return fits and mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
-def attend(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    store: mx.array,
-    tabs: mx.array,
-    layer: int,
-    lens: mx.array,
-    scale: float,
-    block_size: int,
-) -> mx.array:
-    """One new token per row, attending through block tables: ``queries [rows, HQ, 1, D]``;
-    ``keys``/``values [rows, HKV, 1, D]`` the layer's new token (position ``lens - 1``); the
-    store ``[blocks * HKV * block_size, D]`` (``cache.paged.PagedKV``'s); ``tabs [2L, rows,
-    blocks]`` int32, layer ``l``'s K block ids at ``2l``, V's at ``2l + 1``; ``lens [rows]``
-    int32, each row's tokens with the new one. Returns ``[rows, HQ, 1, D]``. CUDA only (see
-    ``kernel_runs``); lazy, like any MLX op."""
-    global _kernel
-    rows, n_q, _, dim = queries.shape
-    n_kv = keys.shape[1]
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="vq_paged_decode",
-            input_names=["q", "kn", "vn", "store", "tabs", "layer", "lens", "scale"],
-            output_names=["out"],
-            source=_SOURCE,
-            header=_HEADER,
+class PagedAttention:
+    """The kernel and its constant inputs (a layer's index, a scale), made at first use; one
+    per ``PagedKV``. Engine thread only."""
+
+    def __init__(self) -> None:
+        self._kernel: Any = None
+        self._constants: dict[tuple[str, float], mx.array] = {}
+
+    def _constant(self, kind: str, value: float, dtype: mx.Dtype) -> mx.array:
+        got = self._constants.get((kind, value))
+        if got is None:
+            got = self._constants[(kind, value)] = mx.array([value], dtype=dtype)
+        return got
+
+    def __call__(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        store: mx.array,
+        tabs: mx.array,
+        layer: int,
+        lens: mx.array,
+        scale: float,
+        block_size: int,
+    ) -> mx.array:
+        """One new token per row, attending through block tables: ``queries [rows, HQ, 1, D]``;
+        ``keys``/``values [rows, HKV, 1, D]`` the layer's new token (position ``lens - 1``);
+        the store ``[blocks * HKV * block_size, D]`` (``cache.paged.PagedKV``'s); ``tabs [2L,
+        rows, blocks]`` int32, layer ``l``'s K block ids at ``2l``, V's at ``2l + 1``; ``lens
+        [rows]`` int32, each row's tokens with the new one. All in the store's dtype. Returns
+        ``[rows, HQ, 1, D]``. CUDA only (``kernel_runs``); lazy, like any MLX op."""
+        rows, n_q, _, dim = queries.shape
+        n_kv = keys.shape[1]
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(
+                name="vq_paged_decode",
+                input_names=["q", "kn", "vn", "store", "tabs", "layer", "lens", "scale"],
+                output_names=["out"],
+                source=_SOURCE,
+                header=_HEADER,
+            )
+        inputs = [
+            queries,
+            keys,
+            values,
+            store,
+            tabs,
+            self._constant("layer", layer, mx.int32),
+            lens,
+            self._constant("scale", scale, mx.float32),
+        ]
+        (out,) = self._kernel(
+            inputs=inputs,
+            template=[
+                ("T", store.dtype),
+                ("D", dim),
+                ("BS", block_size),
+                ("HKV", n_kv),
+                ("G", n_q // n_kv),
+                ("WARPS", WARPS),
+            ],
+            grid=(WARPS * 32, n_kv, rows),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(rows, n_q, 1, dim)],
+            output_dtypes=[store.dtype],
         )
-    sc = _scales.get(scale)
-    if sc is None:
-        sc = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    lay = _layers.get(layer)
-    if lay is None:
-        lay = _layers[layer] = mx.array([layer], dtype=mx.int32)
-    (out,) = _kernel(
-        inputs=[queries, keys, values, store, tabs, lay, lens, sc],
-        template=[
-            ("T", store.dtype),
-            ("D", dim),
-            ("BS", block_size),
-            ("HKV", n_kv),
-            ("G", n_q // n_kv),
-            ("WARPS", WARPS),
-        ],
-        grid=(WARPS * 32, n_kv, rows),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n_q, 1, dim)],
-        output_dtypes=[store.dtype],
-    )
-    return out
+        return out
 
 
 def reference(
@@ -205,9 +217,9 @@ def reference(
     scale: float,
     block_size: int,
 ) -> mx.array:
-    """``attend`` in MLX ops, on any backend (the same arguments): each row's blocks gathered
-    into attention's layout, the new token put at ``lens - 1``, masked past each row's own
-    length, MLX's attention. What ``fused`` runs where the kernel does not."""
+    """``PagedAttention`` in MLX ops, on any backend (the same arguments): each row's blocks
+    gathered into attention's layout, the new token put at ``lens - 1``, masked past each row's
+    own length, MLX's attention. What ``fused`` runs where the kernel does not."""
     rows, _, _, dim = queries.shape
     n_kv = keys.shape[1]
     nb = tabs.shape[2]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 # A masked dense step under matmul attention reads this many positions at a time: the products'
 # shapes then change every 128 steps, not every step (MLX's CUDA matmul plans per shape; the
-# extra positions are masked). A divisor of paged.SLOT_CHUNK, so a read stays inside the dense
+# extra positions are masked). A divisor of dense.SLOT_CHUNK, so a read stays inside the dense
 # capacity.
 READ_CHUNK = 128
 

@@ -25,7 +25,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from veloxquant_mlx.cache.paged import DenseKV, PagedKV
+from veloxquant_mlx.cache.dense import DenseKV
+from veloxquant_mlx.cache.paged import PagedKV
 from veloxquant_mlx.cache.step import StepCache
 from veloxquant_mlx.engine.faults import RequestFault
 from veloxquant_mlx.engine.scheduler import Seq
