@@ -14,25 +14,19 @@ import random
 import mlx.core as mx
 import pytest
 
-from tests.conftest import assert_engine_all_free
-from tests.engine.conftest import wait_idle
-from tests.engine.test_layouts import arch_model, stock_tokens  # noqa: F401 (fixture)
+from tests.engine.test_layouts import (  # noqa: F401 (arch_model: a fixture)
+    arch_model,
+    serve_greedy,
+    stock_tokens,
+)
 from veloxquant_mlx.cache import paged_attention
 from veloxquant_mlx.engine.engine import Engine, EngineConfig
-from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
 
 def test_fused_matches_stock_with_rows_joining_and_leaving(arch_model, monkeypatch):  # noqa: F811
     path, model = arch_model
     if "sliding" in path.name:
-        engine = Engine(
-            EngineConfig(model=str(path), kv_layout="paged", paged_attention="fused")
-        ).start()
-        try:
-            with pytest.raises(ValueError, match="paged-attention gather"):
-                engine.wait_ready(120)
-        finally:
-            engine.shutdown(5)
+        assert_refused(path, "paged-attention gather", kv_layout="paged")
         return
     calls: list[int] = []
     real = paged_attention.reference
@@ -45,33 +39,7 @@ def test_fused_matches_stock_with_rows_joining_and_leaving(arch_model, monkeypat
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
     lengths = [12, 5, 20, 9, 16, 3, 11, 7]
-    engine = Engine(
-        EngineConfig(
-            model=str(path),
-            kv_layout="paged",
-            paged_attention="fused",
-            kv_cache_mb=16,
-            max_running=3,
-            prefill_step=16,
-        )
-    ).start()
-    try:
-        engine.wait_ready(120)
-        greedy = SamplingParams(temperature=0.0)
-        handles = [
-            engine.submit(GenerationRequest(tuple(p), n, greedy))
-            for p, n in zip(prompts, lengths, strict=True)
-        ]
-        ours = []
-        for h in handles:
-            tokens, finish = h.collect(120)
-            assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
-            ours.append([t.token_id for t in tokens])
-        wait_idle(engine)
-        assert engine.stats().kv_layout == "paged"
-        assert_engine_all_free(engine)
-    finally:
-        engine.shutdown(5)
+    ours = serve_greedy(path, prompts, lengths, kv_layout="paged", paged_attention="fused")
     for p, n, got in zip(prompts, lengths, ours, strict=True):
         assert got == stock_tokens(model, p, n)
     layers = len(model.layers)
@@ -118,11 +86,14 @@ def test_reference_reads_each_rows_blocks_through_its_table():
 
 def test_fused_needs_the_paged_layout(arch_model):  # noqa: F811
     path, _ = arch_model
-    engine = Engine(
-        EngineConfig(model=str(path), kv_layout="dense", paged_attention="fused")
-    ).start()
+    assert_refused(path, "needs --kv-layout paged", kv_layout="dense")
+
+
+def assert_refused(path, match: str, **config) -> None:
+    """An engine of ``--paged-attention fused`` and ``config`` fails to start, saying ``match``."""
+    engine = Engine(EngineConfig(model=str(path), paged_attention="fused", **config)).start()
     try:
-        with pytest.raises(ValueError, match="needs --kv-layout paged"):
+        with pytest.raises(ValueError, match=match):
             engine.wait_ready(120)
     finally:
         engine.shutdown(5)

@@ -65,6 +65,32 @@ def stock_tokens(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def serve_greedy(path: Path, prompts: list[list[int]], lengths: list[int], **config) -> list:
+    """Every prompt through one engine of ``config`` at once (3 running slots, 16-token prefill
+    chunks, so rows join and leave): each request's greedy tokens; the pool all free after."""
+    engine = Engine(
+        EngineConfig(model=str(path), kv_cache_mb=16, max_running=3, prefill_step=16, **config)
+    ).start()
+    try:
+        engine.wait_ready(120)
+        greedy = SamplingParams(temperature=0.0)
+        handles = [
+            engine.submit(GenerationRequest(tuple(p), n, greedy))
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        ours = []
+        for h in handles:
+            tokens, finish = h.collect(120)
+            assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+            ours.append([t.token_id for t in tokens])
+        wait_idle(engine)
+        assert engine.stats().kv_layout == config["kv_layout"]
+        assert_engine_all_free(engine)
+    finally:
+        engine.shutdown(5)
+    return ours
+
+
 @pytest.mark.parametrize(
     ("layout", "attention"),
     [("dense", "sdpa"), ("paged", "sdpa"), ("dense", "matmul"), ("paged", "matmul")],
@@ -88,33 +114,7 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
     lengths = [12, 5, 20, 9, 16, 3, 11, 7]
-    engine = Engine(
-        EngineConfig(
-            model=str(path),
-            kv_layout=layout,
-            ragged_attention=attention,
-            kv_cache_mb=16,
-            max_running=3,
-            prefill_step=16,
-        )
-    ).start()
-    try:
-        engine.wait_ready(120)
-        greedy = SamplingParams(temperature=0.0)
-        handles = [
-            engine.submit(GenerationRequest(tuple(p), n, greedy))
-            for p, n in zip(prompts, lengths, strict=True)
-        ]
-        ours = []
-        for h in handles:
-            tokens, finish = h.collect(120)
-            assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
-            ours.append([t.token_id for t in tokens])
-        wait_idle(engine)
-        assert engine.stats().kv_layout == layout
-        assert_engine_all_free(engine)
-    finally:
-        engine.shutdown(5)
+    ours = serve_greedy(path, prompts, lengths, kv_layout=layout, ragged_attention=attention)
     for p, n, got in zip(prompts, lengths, ours, strict=True):
         assert got == stock_tokens(model, p, n)
     if attention == "matmul":

@@ -28,6 +28,7 @@ class DenseKV:
     """Contiguous per-layer working set; row ``i`` holds batch row ``i``'s tokens from 0."""
 
     kind = "dense"
+    fused = False  # attention always reads the working set as returned (cache.step)
 
     def __init__(
         self, n_layers: int, block_size: int = 16, ragged: RaggedAttention | None = None

@@ -71,6 +71,7 @@ class PagedKV:
         # ``attend`` (``cache.attention.install`` routes it).
         self.fused = fused
         self._kernel = paged_attention.PagedAttention()
+        self._kernel_runs: bool | None = None  # decided at the first fused step (the model's)
         self._tabs: mx.array | None = None  # fused: [2L, rows, blocks] block ids, this step's
         self._lens: mx.array | None = None  # fused: [rows] tokens with the new one
         self.store: mx.array | None = None
@@ -258,7 +259,10 @@ class PagedKV:
         if queries.dtype != self.store.dtype:
             queries = queries.astype(self.store.dtype)
         args = (queries, keys, values, self.store, self._tabs, layer, self._lens, scale)
-        if paged_attention.kernel_runs(self.store.shape[1], queries.shape[1] // keys.shape[1]):
+        if self._kernel_runs is None:  # the head dim and group are the model's: once
+            group = queries.shape[1] // keys.shape[1]
+            self._kernel_runs = paged_attention.kernel_runs(self.store.shape[1], group)
+        if self._kernel_runs:
             return self._kernel(*args, self.block_size)
         return paged_attention.reference(*args, self.block_size)
 

@@ -96,7 +96,7 @@ class StepCache:
         self.keys: mx.array | None = None
         # Fused paged attention (cache.paged_attention): ``update_and_fetch`` hands back the
         # new token and the routed attention (cache.attention) reads the blocks, and says so.
-        self.fused: bool = getattr(kv, "fused", False)
+        self.fused: bool = kv.fused
         self.attended = False
 
     @property

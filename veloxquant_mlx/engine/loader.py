@@ -221,7 +221,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     layout = kv_layout(cfg.kv_layout, geometry)
     ragged = attention.choose(cfg.ragged_attention)
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
-    if ragged.mode == "matmul" or fused:
+    if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)
         attention.install(model)
     kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused)
     runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
