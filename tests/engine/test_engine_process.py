@@ -243,3 +243,29 @@ def test_a_finish_from_the_child_is_the_last_event_and_carries_usage(make_proces
     assert isinstance(events[-1], FinishEvent) and handle.done
     assert events[-1].usage.completion_tokens == len(events) - 1 == 9
     assert events[-1].usage.peak_kv_blocks > 0
+
+
+def test_a_grammar_is_compiled_again_in_the_child_and_holds(make_process):
+    """The compiled matcher never crosses the pipe: the child compiles the text on its own
+    workers, then decodes under it; a request cancelled while its grammar compiles ends
+    cancelled without reaching the engine."""
+    import json
+
+    from veloxquant_mlx.server.structured import schema_grammar
+
+    engine = make_process(kv_cache_mb=32)
+    assert engine.grammars is not None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = engine.grammars.compile(schema_grammar(schema, "s"))
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    handle = engine.submit(request(engine.tokenizer.encode("json"), 24, sampled, grammar=grammar))
+    events, finish = handle.collect(60)
+    text = engine.tokenizer.decode([e.token_id for e in events])
+    if finish.finish_reason == "stop":  # a cut-off output is a prefix of the grammar's
+        assert isinstance(json.loads(text)["a"], int), text
+    wide = {"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {} for i in range(400)}}
+                      for j in range(12)]}  # fmt: skip
+    slow = engine.grammars.compile(schema_grammar(wide, "s"))
+    handle = engine.submit(request(engine.tokenizer.encode("json"), 4, grammar=slow))
+    engine.cancel(handle)
+    assert handle.collect(60)[1].finish_reason == "cancelled"

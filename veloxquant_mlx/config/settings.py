@@ -154,6 +154,12 @@ class Settings(BaseSettings):
         description="Experimental, Linux CPU: build (with the C compiler) and preload the gemv "
         "forwarder in front of the optimized BLAS (few-row float32 matmuls go to sgemv).",
     )
+    grammar_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds a structured-output or forced-tool schema may take to compile "
+        "(then 400).",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, le=16 << 20, description="Largest request line + headers (431)."

@@ -29,6 +29,7 @@ from veloxquant_mlx.engine.commands import (
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import Detokenizer
 from veloxquant_mlx.engine.faults import RequestFault
+from veloxquant_mlx.engine.grammar import GrammarCompiler
 from veloxquant_mlx.engine.group import Group
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox, Snapshot
@@ -57,7 +58,7 @@ class Parts:
     runner: Runner
     scheduler: Scheduler
     new_detokenizer: Callable[[], Detokenizer]
-    ll_tokenizer: Any
+    grammars: GrammarCompiler | None  # None: the tokenizer cannot be constrained
     vocab_size: int
     eos: frozenset[int]
     kv_bytes_per_block: int
@@ -253,9 +254,13 @@ class EngineCore:
         fault = RequestFault(seq.request_id, self._faulted)
         try:
             sampler = make_sampler(request.sampling)
-            processors = make_processors(
-                request.sampling, request.grammar, self.parts.ll_tokenizer, self.parts.vocab_size
-            )
+            grammar = request.grammar
+            if grammar is not None and grammar.compiled is None:
+                # A follower rank: the turn carries the text, and the ranks step together, so
+                # it compiles here (cached: once per grammar). Hosts hand over compiled ones.
+                assert self.parts.grammars is not None, "a grammar for an unconstrained model"
+                grammar = self.parts.grammars.compile(grammar.text)
+            processors = make_processors(request.sampling, grammar, self.parts.vocab_size)
             detokenizer = self.parts.new_detokenizer()
         except Exception as exc:
             fault.record("setup", exc)

@@ -24,7 +24,7 @@ from veloxquant_mlx.engine.commands import Command, GroupPools, ResetPrefixCache
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.core import EngineCore, Parts
 from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
-from veloxquant_mlx.engine.grammar import grammar_tokenizer
+from veloxquant_mlx.engine.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.inbox import Inbox
 from veloxquant_mlx.engine.scheduler import Scheduler
@@ -53,11 +53,12 @@ log = logging.getLogger("veloxquant.engine")
 def build_parts(rt: loader.Runtime) -> Parts:
     """What the core needs besides the runner and scheduler, made from the loaded runtime."""
     token_bytes = token_bytes_table(rt.tokenizer)
+    ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
     return Parts(
         runner=rt.runner,
         scheduler=rt.scheduler,
         new_detokenizer=detokenizer_factory(rt.tokenizer, token_bytes),
-        ll_tokenizer=grammar_tokenizer(rt.tokenizer, rt.vocab_size),
+        grammars=None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer),
         vocab_size=rt.vocab_size,
         eos=frozenset(rt.tokenizer.eos_token_ids),
         kv_bytes_per_block=rt.kv_bytes_per_block,
@@ -98,7 +99,7 @@ class Engine:
         self.vocab_size = 0
         self.model_path = ""
         self.token_bytes: list[bytes] | None = None
-        self.ll_tokenizer: Any = None
+        self.grammars: GrammarCompiler | None = None  # None: output cannot be constrained
         self.group_info = GroupInfo()
         self._abandoned = False  # the group watchdog gave up on the engine thread
         self._scheduler: Scheduler | None = None
@@ -154,6 +155,8 @@ class Engine:
             ib.lock.notify_all()
         if self._thread.is_alive() and not self._abandoned:  # a stuck thread never returns
             self._thread.join(max(0.0, drain_timeout) + 30.0)
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -194,7 +197,7 @@ class Engine:
         self.vocab_size = rt.vocab_size
         self.model_path = str(rt.path)
         parts = build_parts(rt)
-        self.token_bytes, self.ll_tokenizer = parts.token_bytes, parts.ll_tokenizer
+        self.token_bytes, self.grammars = parts.token_bytes, parts.grammars
         self._core = EngineCore(self.config, self._inbox, parts, self._step_hook, rt.group)
         if rt.group is not None:
             self.group_info = rt.group.info
@@ -251,6 +254,10 @@ class Engine:
         problem = static_problem(request, self.vocab_size, self.context_window)
         if problem is not None:
             raise self._count(problem)
+        if request.grammar is not None and (
+            request.grammar.compiled is None or self.grammars is None
+        ):
+            raise self._count(InvalidRequestError("a grammar must come compiled (GrammarCompiler)"))
         scheduler = self._scheduler
         assert scheduler is not None
         if not scheduler.could_ever_fit(n_prompt + 1):

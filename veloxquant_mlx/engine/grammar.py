@@ -1,21 +1,40 @@
-"""Grammar-constrained decoding with llguidance: one matcher per request, applied as that
-request's logits processor, so constrained requests stay batched with everyone else.
+"""Grammar-constrained decoding with llguidance: grammars compiled off the engine thread, one
+matcher per request, applied as that request's logits processor, so constrained requests stay
+batched with everyone else.
 
-Why llguidance: vLLM, SGLang and llama.cpp use it; it compiles JSON schemas and Lark grammars
-lazily (no per-schema precompute over the vocabulary, so a new schema costs milliseconds, not
-seconds), reports unsupported schema keywords by name, and ships as a prebuilt wheel (no code is
-compiled at run time). xgrammar precompiles per schema; outlines-core builds an index per regex.
+Why llguidance: vLLM, SGLang and llama.cpp use it; it reports unsupported schema keywords by
+name, bounds its own work (``LLParserLimits``) and ships as a prebuilt wheel (no code is compiled
+at run time). A grammar's compile grows with its size (a 1,000-property schema takes ~0.1 s here,
+a 10,000-property one 9-14 s), so it never runs on the engine thread or the event loop: the
+``GrammarCompiler`` builds it on a small pool of its own, under a time budget, and the engine is
+handed a ready matcher.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("veloxquant.engine")
+
+# llguidance's own budgets, tighter than its defaults where a hostile grammar could make one
+# decode step slow: the per-token mask work (step fuel, Earley items) runs on the engine thread.
+LIMITS: dict[str, Any] = {
+    "max_items_in_row": 2_000,
+    "initial_lexer_fuel": 1_000_000,  # ~20 ms of regex analysis at compile
+    "step_lexer_fuel": 200_000,  # ~14 ms a token at most
+    "step_max_items": 50_000,
+    "max_lexer_states": 100_000,
+    "max_grammar_size": 300_000,
+}
 
 
 def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any | None:
@@ -36,32 +55,139 @@ def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any | None:
         return None
 
 
-def check_grammar(grammar: str, ll_tokenizer: Any) -> str | None:
-    """None if ``grammar`` compiles for this tokenizer, else the reason (for a 400). Pure CPU,
-    no MLX: callable from any thread."""
-    import llguidance
+class GrammarError(ValueError):
+    """A grammar that cannot be used: the reason is safe to show its client."""
 
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
-    return messages[0] if is_error else None
+
+class GrammarBusyError(RuntimeError):
+    """Too many grammars are compiling at once; the client may retry."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grammar:
+    """An llguidance grammar and, once compiled in this process, its pristine matcher.
+
+    The compiled matcher never crosses a pipe or a group (pickling keeps only the text); the
+    receiving side compiles it again with its own ``GrammarCompiler``. Each request decodes
+    with its own ``deep_copy`` (microseconds: the compiled lexer and grammar are shared).
+    """
+
+    text: str
+    compiled: Any = field(default=None, repr=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Grammar, (self.text,))
+
+    def matcher(self) -> Any:
+        assert self.compiled is not None, "a grammar reaches the engine compiled"
+        return self.compiled.deep_copy()
+
+
+class GrammarCompiler:
+    """Compiles grammars on a bounded pool of worker threads (llguidance drops the GIL while it
+    builds), caching the result by the grammar's hash.
+
+    Owns the pool, ``_cache`` (hash -> pristine matcher or the error text, least recently used
+    first, at most ``cache_size``) and ``_pending`` (hash -> the future of a compile under way,
+    shared by every caller of the same grammar); ``_lock`` guards both. A compile whose caller
+    stopped waiting (its time budget) still finishes on its worker and is cached: the same
+    grammar then answers at once, and a slow one keeps at most ``workers`` threads busy.
+    Thread-safe.
+
+    Args:
+        ll_tokenizer: llguidance's tokenizer (``grammar_tokenizer``).
+        workers: Compiles run at once.
+        max_pending: Compiles queued or running at most (then ``GrammarBusyError``).
+        cache_size: Compiled grammars (and refusals) kept.
+    """
+
+    def __init__(
+        self, ll_tokenizer: Any, *, workers: int = 2, max_pending: int = 16, cache_size: int = 64
+    ) -> None:
+        import llguidance
+
+        self.ll_tokenizer = ll_tokenizer
+        self.max_pending = max_pending
+        self.cache_size = cache_size
+        self._limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="veloxquant-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._pending: dict[str, Future[Grammar]] = {}
+
+    def submit(self, text: str) -> Future[Grammar]:
+        """The compiled ``Grammar`` for ``text``, as a future: done at once on a cache hit.
+        Its exception is ``GrammarError`` for a grammar llguidance refuses (or a limit it hits).
+
+        Raises:
+            GrammarBusyError: ``max_pending`` compiles are under way already.
+        """
+        key = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return _done(text, cached)
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending
+            if len(self._pending) >= self.max_pending:
+                raise GrammarBusyError(f"{len(self._pending)} grammars are compiling")
+            future = self._pool.submit(self._compile, key, text)
+            self._pending[key] = future
+            return future
+
+    def compile(self, text: str) -> Grammar:
+        """``submit`` and wait (for callers that are off the engine thread already)."""
+        return self.submit(text).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, key: str, text: str) -> Grammar:
+        import llguidance
+
+        try:
+            matcher = llguidance.LLMatcher(
+                self.ll_tokenizer, text, log_level=0, limits=self._limits
+            )
+            # The first mask builds the lexer states every copy starts from (a wide anyOf:
+            # ~120 ms here, then under 1 ms a copy): paid here, not on the engine's first step.
+            if not matcher.is_error():
+                matcher.compute_bitmask()
+            outcome: Any = matcher.get_error() if matcher.is_error() else matcher
+        except Exception as exc:  # API misuse only (llguidance reports grammar errors itself)
+            outcome = f"the grammar could not be compiled ({type(exc).__name__})"
+        with self._lock:
+            self._pending.pop(key, None)
+            self._cache[key] = outcome
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return _done(text, outcome).result()
+
+
+def _done(text: str, outcome: Any) -> Future[Grammar]:
+    future: Future[Grammar] = Future()
+    if isinstance(outcome, str):
+        future.set_exception(GrammarError(outcome))
+    else:
+        future.set_result(Grammar(text, outcome))
+    return future
 
 
 class GrammarProcessor:
     """A logits processor that allows only tokens the request's grammar accepts next.
 
-    Owns one ``LLMatcher``. Called by BatchGenerator once per generated token with the row's
-    token context (prompt + generated so far): the tokens that arrived since the last call are
-    fed to the matcher, then every token the grammar rejects gets -inf. Once the grammar is
-    complete only end-of-sequence is allowed. Reading the sampled token is a synchronisation
-    point for the batch (the mask depends on it); only constrained requests pay it.
-    Engine thread only.
+    Owns one ``LLMatcher`` (a copy of the compiled grammar's). Called once per generated token
+    with the row's token context (prompt + generated so far): the tokens that arrived since the
+    last call are fed to the matcher, then every token the grammar rejects gets -inf. Once the
+    grammar is complete only end-of-sequence is allowed. Reading the sampled token is a
+    synchronisation point for the batch (the mask depends on it); only constrained requests pay
+    it. Engine thread only.
     """
 
-    def __init__(self, grammar: str, ll_tokenizer: Any, vocab_size: int) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"grammar rejected: {self.matcher.get_error()}")
+    def __init__(self, grammar: Grammar, vocab_size: int) -> None:
+        self.matcher = grammar.matcher()
         self.vocab_size = vocab_size
         self._seen: int | None = None  # context length at the last call
 

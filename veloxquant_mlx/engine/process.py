@@ -20,19 +20,29 @@ comes back as a FinishEvent whose code is ``types.REJECTED`` + the reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.grammar import Grammar, GrammarBusyError, GrammarError
 from veloxquant_mlx.engine.handle import Event, RequestHandle
-from veloxquant_mlx.engine.types import REJECTED, EngineError, FinishEvent, Usage
+from veloxquant_mlx.engine.types import (
+    REJECTED,
+    EngineError,
+    FinishEvent,
+    GenerationRequest,
+    InvalidRequestError,
+    Usage,
+)
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -66,7 +76,8 @@ def serve(
 class Bridge:
     """Owns the child's ``Engine`` and its end of the pipe; the event sink of every handle.
 
-    ``_handles`` (server id -> handle of a request not yet finished) is guarded by ``_lock``;
+    ``_handles`` (server id -> handle of a request not yet finished) and ``_compiling`` (server
+    id -> cancelled?, for a request whose grammar is compiling) are guarded by ``_lock``;
     ``_send_lock`` keeps one message whole when the engine thread, the receiver and call
     threads send at once.
     """
@@ -77,6 +88,7 @@ class Bridge:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._handles: dict[int, RequestHandle] = {}
+        self._compiling: dict[int, bool] = {}  # tag -> cancelled, while its grammar compiles
         self._stopping = threading.Event()
 
     def send(self, message: tuple[Any, ...]) -> None:
@@ -149,10 +161,7 @@ class Bridge:
             if kind == "add":
                 self._add(message[1], message[2])
             elif kind == "cancel":
-                with self._lock:
-                    handle = self._handles.get(message[1])
-                if handle is not None:
-                    self.engine.cancel(handle)
+                self._cancel(message[1])
             elif kind == "call":
                 self._call(message[1], message[2], message[3])
             elif kind == "shutdown":
@@ -162,19 +171,62 @@ class Bridge:
             else:
                 log.error("unknown message from the server: %r", kind)
 
-    def _add(self, tag: int, request: Any) -> None:
+    def _add(self, tag: int, request: GenerationRequest) -> None:
+        grammar, grammars = request.grammar, self.engine.grammars
+        if grammar is None or grammar.compiled is not None or grammars is None:
+            self._submit(tag, request)
+            return
+        # A grammar crosses the pipe as text: compiled again here, on the compiler's workers
+        # (a hit in its cache after the first time), never on this receiver or the engine.
+        try:
+            future = grammars.submit(grammar.text)
+        except GrammarBusyError as exc:
+            self._refuse(tag, request, InvalidRequestError(str(exc)))
+            return
+        with self._lock:
+            self._compiling[tag] = False
+        future.add_done_callback(lambda done: self._compiled(tag, request, done))
+
+    def _compiled(self, tag: int, request: GenerationRequest, done: Future[Grammar]) -> None:
+        with self._lock:
+            cancelled = self._compiling.pop(tag, False)
+        if cancelled:
+            self._refuse(tag, request, None)
+            return
+        try:
+            grammar = done.result()
+        except GrammarError as exc:
+            self._refuse(tag, request, InvalidRequestError(f"invalid grammar: {exc}"))
+            return
+        self._submit(tag, dataclasses.replace(request, grammar=grammar))
+
+    def _cancel(self, tag: int) -> None:
+        with self._lock:
+            handle = self._handles.get(tag)
+            if tag in self._compiling:
+                self._compiling[tag] = True
+        if handle is not None:
+            self.engine.cancel(handle)
+
+    def _submit(self, tag: int, request: GenerationRequest) -> None:
         try:
             handle = self.engine.submit(request, self, tag)
         except EngineError as exc:
-            usage = Usage(len(request.prompt_tokens), 0, 0, 0)
-            finish = FinishEvent(
-                "error", usage, time.monotonic(), error=str(exc), error_code=REJECTED + exc.reason
-            )
-            self.send(("ev", [(tag, [finish])]))
+            self._refuse(tag, request, exc)
             return
         with self._lock:
             if handle.finish is None:  # else it ended already and deliver() has let it go
                 self._handles[tag] = handle
+
+    def _refuse(self, tag: int, request: GenerationRequest, exc: EngineError | None) -> None:
+        """End a request that never reached the engine: refused (``exc``), or cancelled."""
+        usage = Usage(len(request.prompt_tokens), 0, 0, 0)
+        if exc is None:
+            finish = FinishEvent("cancelled", usage, time.monotonic())
+        else:
+            code = REJECTED + exc.reason
+            finish = FinishEvent("error", usage, time.monotonic(), error=str(exc), error_code=code)
+        self.send(("ev", [(tag, [finish])]))
 
     def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         if name not in CALLS:

@@ -29,7 +29,7 @@ from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.checks import static_problem
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.detokenize import token_bytes_table
-from veloxquant_mlx.engine.grammar import grammar_tokenizer
+from veloxquant_mlx.engine.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
@@ -40,6 +40,7 @@ from veloxquant_mlx.engine.types import (
     FinishEvent,
     GenerationRequest,
     GroupInfo,
+    InvalidRequestError,
     TokenEvent,
     Usage,
 )
@@ -104,7 +105,7 @@ class EngineProcess:
         self.group_info = GroupInfo()  # an engine process is never part of a group
         self.kv_layers = 0
         self.token_bytes: list[bytes] | None = None
-        self.ll_tokenizer: Any = None
+        self.grammars: GrammarCompiler | None = None  # this side's, for the routes' checks
         self._context_window: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,6 +161,8 @@ class EngineProcess:
         """Stop admitting; the child lets running requests finish until the deadline and fails
         the rest, then exits. Returns when it has (killed if it overstays by 30 s). Idempotent."""
         self._draining = True
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self._process is None:
             return
         if self._alive:
@@ -236,7 +239,8 @@ class EngineProcess:
         try:
             tokenizer = loader.load_tokenizer(Path(info["model_path"]))
             self.token_bytes = token_bytes_table(tokenizer)
-            self.ll_tokenizer = grammar_tokenizer(tokenizer, info["vocab_size"])
+            ll_tokenizer = grammar_tokenizer(tokenizer, info["vocab_size"])
+            self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)
         except Exception as exc:
             log.exception("could not load the tokenizer the engine process serves")
             self._load_error = exc
@@ -320,6 +324,8 @@ class EngineProcess:
         problem = static_problem(request, self.vocab_size, self._context_window)
         if problem is not None:
             raise self._refuse(problem)
+        if request.grammar is not None and self.grammars is None:
+            raise self._refuse(InvalidRequestError("this model's output cannot be constrained"))
         request_id = next(self._ids)
         handle = RequestHandle(request_id, request)
         with self._lock:

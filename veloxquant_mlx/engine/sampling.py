@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from veloxquant_mlx.engine.grammar import GrammarProcessor
+from veloxquant_mlx.engine.grammar import Grammar, GrammarProcessor
 from veloxquant_mlx.engine.types import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -43,12 +42,11 @@ def make_sampler(params: SamplingParams) -> Sampler | None:
 
 def make_processors(
     params: SamplingParams,
-    grammar: str | None = None,
-    ll_tokenizer: Any = None,
+    grammar: Grammar | None = None,
     vocab_size: int = 0,
 ) -> list[Callable[[mx.array, mx.array], mx.array]]:
     """mlx_lm's logits processors for the penalties and logit bias this request sets (or none),
-    then its ``grammar``'s (last: it sees the penalties' and biases' result)."""
+    then its ``grammar``'s (compiled; last: it sees the penalties' and biases' result)."""
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
@@ -56,5 +54,5 @@ def make_processors(
         frequency_penalty=params.frequency_penalty or None,
     )
     if grammar is not None:
-        processors.append(GrammarProcessor(grammar, ll_tokenizer, vocab_size))
+        processors.append(GrammarProcessor(grammar, vocab_size))
     return processors

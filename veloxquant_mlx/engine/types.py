@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from veloxquant_mlx.pool import AllocationStats, BlockPoolAllocator
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.grammar import Grammar
 
 
 class EngineError(RuntimeError):
@@ -112,9 +115,9 @@ class GenerationRequest:
 
     ``stop`` strings end generation when they appear in the text (matched across token
     boundaries; never emitted). ``logprobs`` asks for the sampled token's logprob and the
-    ``top_logprobs`` most likely alternatives with every token. ``grammar`` (an llguidance
-    grammar, checked by the caller) constrains the output to it; generation ends when it is
-    complete.
+    ``top_logprobs`` most likely alternatives with every token. ``grammar`` (compiled by the
+    engine's ``GrammarCompiler`` off the engine thread) constrains the output to it; generation
+    ends when it is complete.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -123,7 +126,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
-    grammar: str | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from veloxquant_mlx.engine.grammar import Grammar
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
-from veloxquant_mlx.server.structured import grammar_for
+from veloxquant_mlx.server.structured import compile_grammar, grammar_for
 from veloxquant_mlx.server.submission import (
     check_model,
     fingerprint,
@@ -65,14 +67,13 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    grammar = tool_grammar(body, tokenizer) or await grammar_for(body.response_format, st.engine)
-    if grammar is not None and st.engine.ll_tokenizer is None:
-        raise APIError(
-            400,
-            "constrained decoding is not supported for this model's tokenizer",
-            code="unsupported_value",
-            param="tool_choice",
-        )
+    timeout = st.settings.grammar_timeout
+    tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer)
+    grammar: Grammar | None
+    if tool_text is not None:
+        grammar = await compile_grammar(st.engine, tool_text, "tools", timeout)
+    else:
+        grammar = await grammar_for(body.response_format, st.engine, timeout)
     handles = submit_all(
         st, [tokens], body.n, max_tokens, body,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,

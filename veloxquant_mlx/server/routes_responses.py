@@ -16,13 +16,19 @@ from fastapi.responses import StreamingResponse
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
-from veloxquant_mlx.server.errors import from_finish
+from veloxquant_mlx.server.errors import APIError, from_finish
 from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.tools import ToolCallSplitter, split
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
+
+# The chat fields a Responses request's are translated to, named back as the client wrote them.
+_RESPONSES_PARAM = {
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+}
 
 
 def _id(prefix: str) -> str:
@@ -101,7 +107,11 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
     body = to_chat(req)
-    prepared = await prepare_chat(st, body)
+    try:
+        prepared = await prepare_chat(st, body)
+    except APIError as exc:
+        exc.param = _RESPONSES_PARAM.get(exc.param or "", exc.param)
+        raise
     built = Built(req, st.model_name)
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     if req.stream:

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from veloxquant_mlx import __version__
+from veloxquant_mlx.engine.grammar import Grammar
 from veloxquant_mlx.engine.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     EngineError,
@@ -99,7 +100,7 @@ def submit(
     *,
     logprobs: bool,
     top_logprobs: int,
-    grammar: str | None = None,
+    grammar: Grammar | None = None,
     seed_offset: int = 0,
 ) -> RequestHandle:
     """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""

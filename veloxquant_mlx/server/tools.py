@@ -10,7 +10,7 @@ from typing import Any
 
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, NamedToolChoice, Tool
-from veloxquant_mlx.server.structured import COMPACT, closed
+from veloxquant_mlx.server.structured import COMPACT, check_schema, closed
 
 
 def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -74,8 +74,11 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     ``json_tools``): ``<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>``, the arguments following the function's ``parameters`` schema.
 
+    Plain CPU over the tools' schemas: call it off the event loop.
+
     Raises:
-        APIError: 400 for a tool-call format this cannot constrain.
+        APIError: 400 for a tool-call format this cannot constrain, or a schema over the
+            limits (``structured.check_schema``).
     """
     choice = body.tool_choice
     if not body.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
@@ -92,6 +95,10 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     tools: list[Tool] = body.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
+    chosen = {id(t) for t in tools}
+    for i, t in enumerate(body.tools):
+        if id(t) in chosen and t.function.parameters is not None:
+            check_schema(t.function.parameters, f"tools.{i}.function.parameters")
     calls = [
         {
             "type": "object",
