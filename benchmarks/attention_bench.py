@@ -15,7 +15,7 @@ step's attention over all the shape's layers, bfloat16 on a GPU:
 - ``rows``: one unmasked call per row over that row's own length (a strided view, no copy),
   the results concatenated;
 - ``cudnn2``: the query doubled to length 2 with an additive mask, which MLX hands to cuDNN;
-- ``matmul``: ``veloxquant_mlx.cache.attention.matmul_attention`` (``--ragged-attention
+- ``matmul``: ``veloxquant_mlx.kv.attention.matmul_attention`` (``--ragged-attention
   matmul``, the GPU default): each KV head's query heads as the rows of one product, K and V
   read once per KV head in place, where MLX's fallback broadcasts them over the query heads.
 
@@ -41,7 +41,7 @@ Method = Callable[[Any, Any, Any, float, list[int]], Any]
 def methods() -> dict[str, Method]:
     import mlx.core as mx
 
-    from veloxquant_mlx.cache.attention import matmul_attention
+    from veloxquant_mlx.kv.attention import matmul_attention
 
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -132,7 +132,7 @@ def build_model(shape_name: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from veloxquant_mlx.engine.default_model import CONFIG
+    from veloxquant_mlx.engine.model.default_model import CONFIG
 
     config = {**CONFIG, **SHAPES[shape_name]}
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
@@ -149,8 +149,8 @@ def model_step(model: Any, config: dict[str, Any], rows: int, width: int, repeat
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from veloxquant_mlx.cache.dense import DenseKV
-    from veloxquant_mlx.cache.step import READ_CHUNK, StepBatch, StepCache
+    from veloxquant_mlx.kv.dense import DenseKV
+    from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, StepCache
 
     n_layers = config["num_hidden_layers"]
     hkv, d = config["num_key_value_heads"], config["head_dim"]

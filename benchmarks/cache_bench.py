@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks.models import build, n_params
 from veloxquant_mlx.blas import blas_in_use, ensure_blas
-from veloxquant_mlx.cache import build_pooled_caches
+from veloxquant_mlx.cache.pool_backed import build_pooled_caches
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
 NEW_TOKENS = 128

@@ -102,7 +102,7 @@ MODELS = ("embedded", "100m")  # what ``model_dir`` makes
 
 def model_dir(name: str, work: Path) -> Path:
     if name == "embedded":
-        from veloxquant_mlx.engine.default_model import ensure_default_model
+        from veloxquant_mlx.engine.model.default_model import ensure_default_model
 
         return ensure_default_model(work / "cache")
     target = work / "model-100m"
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
 def pressure(work: Path, ours_env: dict[str, str], env: dict[str, str]) -> list[str]:
     """Offered KV well over our budget: everything served, KV within budget, 429 only at the
     queue bound; the same load on mlx_lm.server for its peak memory."""
-    from veloxquant_mlx.engine.default_model import ensure_default_model
+    from veloxquant_mlx.engine.model.default_model import ensure_default_model
 
     path = ensure_default_model(work / "cache")
     load = ["--requests", "96", "--concurrency", "48", "--max-tokens", "200-300",

@@ -32,8 +32,8 @@ def main() -> None:
     import mlx.core as mx
     import mlx_lm
 
-    from veloxquant_mlx.engine.default_model import ensure_default_model
-    from veloxquant_mlx.engine.engine import Engine, EngineConfig
+    from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+    from veloxquant_mlx.engine.model.default_model import ensure_default_model
     from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 
     cache_dir = tempfile.mkdtemp(prefix="vq-bench-")

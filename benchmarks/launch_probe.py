@@ -2,7 +2,7 @@
 
     python -m benchmarks.launch_probe --shape 1b --rows 1,32,128 --extra-mb 4096
 
-A bare decode loop over the engine's KV layouts (``cache.paged``; no engine, no sampling):
+A bare decode loop over the engine's KV layouts (``kv.paged``; no engine, no sampling):
 ``--steps`` greedy steps of R rows at one position, each launched
 
 - ``ahead``: at once, while the previous step may still run (how the dense layout launches);

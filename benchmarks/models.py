@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from veloxquant_mlx.engine.default_model import CONFIG as DEFAULT_CONFIG
+from veloxquant_mlx.engine.model.default_model import CONFIG as DEFAULT_CONFIG
 
 # ~58M parameters: the "larger random model" of the benchmarks.
 MEDIUM_CONFIG = {

@@ -96,7 +96,7 @@ def write_model(target: Path, shape: str, dtype: str, tokenizer_vocab: bool = Fa
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from veloxquant_mlx.engine.default_model import ASSETS, CONFIG, TOKENIZER_FILES
+    from veloxquant_mlx.engine.model.default_model import ASSETS, CONFIG, TOKENIZER_FILES
 
     if (target / "config.json").exists():
         return target

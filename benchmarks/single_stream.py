@@ -55,11 +55,11 @@ def prefill(model: Any, prompt: list[int]) -> tuple[list[Any], list[tuple[Any, A
 def layout_with_rows(
     layout: str, layers: list[tuple[Any, Any]], rows: int, n_new: int, extra_ids: int = 0
 ) -> tuple[Any, int]:
-    """A ``cache.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
+    """A ``kv.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
     with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids).
     ``fused``: paged, attending through the tables (the model's attention must be routed:
-    ``cache.attention.install``)."""
-    from veloxquant_mlx.cache.paged import make_kv
+    ``kv.attention.install``)."""
+    from veloxquant_mlx.kv.paged import make_kv
 
     n_layers, start = len(layers), layers[0][0].shape[2]
     blocks = -(-(start + n_new + 1) // BLOCK)
@@ -75,7 +75,7 @@ def layout_with_rows(
 
 def step_logits(model: Any, kv: Any, y: Any, position: int, n_ids: int) -> Any:
     """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits."""
-    from veloxquant_mlx.cache.step import StepBatch, StepCache
+    from veloxquant_mlx.kv.step import StepBatch, StepCache
 
     batch = StepBatch([position] * y.shape[0])
     kv.begin_step(batch, n_ids - 1)
@@ -104,7 +104,7 @@ def decode_loop(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         following = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         if kv is not None and kv.launch_after_previous:
-            mx.synchronize()  # as the engine launches this layout's steps (cache/paged.py)
+            mx.synchronize()  # as the engine launches this layout's steps (kv/paged.py)
         mx.async_eval(following)
         builds.append(time.perf_counter() - b0)
         tokens.append(y.item())
@@ -128,11 +128,11 @@ def main() -> None:
     import mlx.core as mx
 
     from benchmarks.step_bench import bench_model, closed_loop, single_stream
-    from veloxquant_mlx.engine.engine import Engine, EngineConfig
+    from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 
     path, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-single-")
     if "fused" in args.layouts.split(","):
-        from veloxquant_mlx.cache import attention
+        from veloxquant_mlx.kv import attention
 
         attention.install(model)  # the fused loop's attention goes through the tables
     prompt = [3 + (7 * i) % 1997 for i in range(args.prompt_tokens)]

@@ -9,11 +9,11 @@ one client, ``generate_step`` with stock caches (single-stream decode). Peak mem
 (``mx.get_peak_memory``) over the run, beside the model's own bytes.
 
 ``--attention sdpa,matmul`` also runs each variant per ragged-attention mode
-(``cache/attention.py``; ``auto`` alone by default), keyed ``LAYOUT/LAUNCH/MODE``.
+(``kv/attention.py``; ``auto`` alone by default), keyed ``LAYOUT/LAUNCH/MODE``.
 
 ``--launch ahead`` starts a step as soon as it is built, one step ahead of the tokens being read;
 ``after`` waits for the previous step to finish first; ``auto`` (the default) is the engine's:
-the layout's choice (dense ahead, paged after: ``cache/paged.py`` says why).
+the layout's choice (dense ahead, paged after: ``kv/paged.py`` says why).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from veloxquant_mlx.engine.engine import Engine, EngineConfig
+    from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 
     path, model, dtype = bench_model(args.shape, args.dtype, args.work, "vq-step-")
     model_bytes = mx.get_active_memory()

@@ -5,7 +5,7 @@
 Trains a byte-level BPE tokenizer on a corpus this script generates deterministically (English
 words and sentences from a fixed seed), so the result can be rebuilt anywhere with no download.
 Writes tokenizer.json, tokenizer_config.json (with the chat template) and
-special_tokens_map.json into veloxquant_mlx/engine/assets/.
+special_tokens_map.json into veloxquant_mlx/engine/model/assets/.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 VOCAB_SIZE = 2048
-OUT = Path(__file__).resolve().parent.parent / "veloxquant_mlx" / "engine" / "assets"
+OUT = Path(__file__).resolve().parent.parent / "veloxquant_mlx" / "engine" / "model" / "assets"
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, for benchmarks/
 
 from benchmarks.models import LARGE_CONFIG
-from veloxquant_mlx.engine.default_model import write_model
+from veloxquant_mlx.engine.model.default_model import write_model
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ def make_pool() -> Iterator[Callable[..., BlockPoolAllocator]]:
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory):
     """The embedded default model, made once per session in a temporary cache directory."""
-    from veloxquant_mlx.engine.default_model import ensure_default_model
+    from veloxquant_mlx.engine.model.default_model import ensure_default_model
 
     return ensure_default_model(tmp_path_factory.mktemp("model-cache"))
 

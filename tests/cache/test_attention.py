@@ -1,4 +1,4 @@
-"""Ragged decode attention in plain MLX ops (cache/attention.py): the same numbers as MLX's own
+"""Ragged decode attention in plain MLX ops (kv/attention.py): the same numbers as MLX's own
 masked attention, and routed only where a ``StepCache`` asks for it."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import base, llama
 
-from veloxquant_mlx.cache import attention
-from veloxquant_mlx.cache.attention import RaggedAttention
-from veloxquant_mlx.cache.dense import DenseKV
-from veloxquant_mlx.cache.paged import PagedKV
-from veloxquant_mlx.cache.step import READ_CHUNK, StepCache
+from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv.attention import RaggedAttention
+from veloxquant_mlx.kv.dense import DenseKV
+from veloxquant_mlx.kv.paged import PagedKV
+from veloxquant_mlx.kv.step import READ_CHUNK, StepCache
 
 
 def qkv(rows: int, n_heads: int, n_kv: int, width: int, d: int = 16, capacity: int = 0):
@@ -114,7 +114,7 @@ def test_a_ragged_dense_matmul_step_reads_whole_chunks_and_masks_past_each_row()
 
 
 def test_install_routes_only_step_caches_that_ask_and_is_idempotent(monkeypatch):
-    from veloxquant_mlx.engine.default_model import CONFIG
+    from veloxquant_mlx.engine.model.default_model import CONFIG
 
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
     model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
@@ -147,7 +147,7 @@ def test_install_routes_only_step_caches_that_ask_and_is_idempotent(monkeypatch)
 
 def test_install_leaves_a_function_of_the_same_name_that_is_not_mlx_lms(monkeypatch):
     """A model file may define its own ``scaled_dot_product_attention`` (other arguments)."""
-    from veloxquant_mlx.engine.default_model import CONFIG
+    from veloxquant_mlx.engine.model.default_model import CONFIG
 
     def own(q, k, v, scale, mask):  # not mlx_lm's signature
         return q

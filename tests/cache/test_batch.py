@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from tests.support.models import tiny_model
-from veloxquant_mlx.cache import PoolBackedBatchKVCache
+from veloxquant_mlx.cache.pool_backed_batch import PoolBackedBatchKVCache
 from veloxquant_mlx.memory import PoolBackedKVCache, build_pooled_caches
 
 H, D = 2, 8

@@ -9,7 +9,7 @@ import mlx.core as mx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from veloxquant_mlx.cache import PoolBackedBatchKVCache
+from veloxquant_mlx.cache.pool_backed_batch import PoolBackedBatchKVCache
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolBackedKVCache, PoolConfig
 
 H, D, BS, STEP = 2, 4, 4, 8

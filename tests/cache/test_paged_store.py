@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from veloxquant_mlx.cache.paged import PagedKV
+from veloxquant_mlx.kv.paged import PagedKV
 
 LAYERS, HEADS, DIM, BS = 2, 2, 16, 16
 N_IDS = 4096  # an 8 MiB store: a copy of it stands out against everything else here

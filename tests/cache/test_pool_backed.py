@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from tests.support.models import ARCHS, tiny_model
+from veloxquant_mlx.cache.pool_backed import register_with_mlx_lm
 from veloxquant_mlx.memory import BlockPoolExhaustedError, PoolBackedKVCache, build_pooled_caches
 
 H, D = 2, 8
@@ -196,6 +197,7 @@ def test_save_and_load_prompt_cache_round_trip(tmp_path, make_pool):
     for i, c in enumerate(caches):
         c.update_and_fetch(*kv(37, i))
     path = str(tmp_path / "cache.safetensors")
+    register_with_mlx_lm()  # load_prompt_cache finds the class by name in mlx_lm's module
     save_prompt_cache(path, caches, {"who": "test"})
     loaded, meta = load_prompt_cache(path, return_metadata=True)
     assert meta == {"who": "test"}
@@ -209,7 +211,7 @@ def test_save_and_load_prompt_cache_round_trip(tmp_path, make_pool):
 
 
 def test_merge_returns_a_pool_accounted_batch(make_pool):
-    from veloxquant_mlx.cache import PoolBackedBatchKVCache
+    from veloxquant_mlx.cache.pool_backed_batch import PoolBackedBatchKVCache
 
     pool = make_pool(block_size=16, n_blocks=1024)
     singles = [PoolBackedKVCache(pool, owner=i) for i in range(3)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from veloxquant_mlx.engine.default_model import write_model
+from veloxquant_mlx.engine.model.default_model import write_model
 
 
 @pytest.fixture(scope="session")

@@ -108,7 +108,7 @@ def test_logprob_bytes_are_the_tokens_own_bytes(oai, default_model):
 
 
 def test_a_partial_character_token_reports_its_raw_bytes_not_the_replacement(oai, default_model):
-    from veloxquant_mlx.engine.detokenize import token_bytes_table
+    from veloxquant_mlx.engine.request.detokenize import token_bytes_table
 
     _, tokenizer = default_model
     table = token_bytes_table(tokenizer)

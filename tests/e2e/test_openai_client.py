@@ -54,7 +54,7 @@ def test_streaming_completion_matches_non_streaming(oai):
 
 
 def test_invalid_bytes_stream_as_they_are_made_not_at_the_end(oai, default_model):
-    from veloxquant_mlx.engine.detokenize import gpt2_byte_decoder
+    from veloxquant_mlx.engine.request.detokenize import gpt2_byte_decoder
 
     # mlx_lm.server would send nothing until the end: its detokenizer holds text ending in
     # U+FFFD. A logit bias makes the model emit the lone byte 0x80 every step.

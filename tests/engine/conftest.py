@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.conftest import assert_engine_all_free, assert_pool_all_free
-from veloxquant_mlx.engine.engine import Engine, EngineConfig
+from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 
 
 def wait_idle(engine: Engine, timeout: float = 30.0) -> None:

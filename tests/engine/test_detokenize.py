@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 
 from tests.engine.conftest import wait_idle
-from veloxquant_mlx.engine.detokenize import (
+from veloxquant_mlx.engine.request.detokenize import (
     ByteDetokenizer,
     SegmentDetokenizer,
     detokenizer_factory,
@@ -27,7 +27,7 @@ def stream(detok, ids: list[int]) -> tuple[list[str], str]:
 
 def byte_token_ids(tokenizer, predicate) -> list[int]:
     """Ids whose whole text is one byte-level character standing for a byte that matches."""
-    from veloxquant_mlx.engine.detokenize import gpt2_byte_decoder
+    from veloxquant_mlx.engine.request.detokenize import gpt2_byte_decoder
 
     decoder = gpt2_byte_decoder()
     out = []

@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 from tests.engine.conftest import wait_idle
-from veloxquant_mlx.engine import engine as engine_module
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.hosts import thread as engine_module
+from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
@@ -390,9 +390,9 @@ def test_tokens_are_held_for_the_stream_interval_and_flushed_with_the_finish(mak
 
 
 def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
-    from veloxquant_mlx.engine.faults import RequestFault
-    from veloxquant_mlx.engine.handle import RequestHandle
-    from veloxquant_mlx.engine.running import Running
+    from veloxquant_mlx.engine.request.faults import RequestFault
+    from veloxquant_mlx.engine.request.handle import RequestHandle
+    from veloxquant_mlx.engine.request.running import Running
 
     handle = RequestHandle(1, request([1, 2, 3]))
     run = Running(handle, detokenizer=None, end=8, fault=RequestFault(1, []))  # type: ignore[arg-type]
@@ -491,7 +491,7 @@ class FailsAtFifthToken:
 def test_a_failing_processor_or_detokenizer_fails_its_request_alone(engine, monkeypatch):
     """Fault injection into the real step: one request's logits processor raises at its 3rd
     token, another's detokenizer at its 5th; the third request is untouched."""
-    from veloxquant_mlx.engine import core
+    from veloxquant_mlx.engine.loop import core
 
     parts = engine._core.parts
     real_processors, real_factory = core.make_processors, parts.new_detokenizer

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.engine import Engine
-from veloxquant_mlx.engine.remote import EngineProcess
+from veloxquant_mlx.engine.hosts.process import EngineProcess
+from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
     CapacityReducedError,
@@ -201,7 +201,7 @@ ORPHAN = textwrap.dedent(
     """
     import os, sys
     from veloxquant_mlx.engine.config import EngineConfig
-    from veloxquant_mlx.engine.remote import EngineProcess
+    from veloxquant_mlx.engine.hosts.process import EngineProcess
 
     engine = EngineProcess(EngineConfig(model_cache_dir=sys.argv[1], kv_cache_mb=16)).start()
     engine.wait_ready(120)

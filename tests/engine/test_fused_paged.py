@@ -19,8 +19,8 @@ from tests.engine.test_layouts import (  # noqa: F401 (arch_model: a fixture)
     serve_greedy,
     stock_tokens,
 )
-from veloxquant_mlx.cache import paged_attention
-from veloxquant_mlx.engine.engine import Engine, EngineConfig
+from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.kv import paged_attention
 
 
 def test_fused_matches_stock_with_rows_joining_and_leaving(arch_model, monkeypatch):  # noqa: F811

@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten
 
 from tests.conftest import assert_engine_all_free
 from tests.engine.conftest import wait_idle
-from veloxquant_mlx.engine.default_model import ASSETS, CONFIG, TOKENIZER_FILES
-from veloxquant_mlx.engine.engine import Engine, EngineConfig
+from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.model.default_model import ASSETS, CONFIG, TOKENIZER_FILES
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
 ARCHS = {
@@ -98,9 +98,9 @@ def serve_greedy(path: Path, prompts: list[list[int]], lengths: list[int], **con
 def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
     arch_model, layout, attention, monkeypatch
 ):
-    """``attention``: how ragged steps attend (cache/attention.py); the matmul path must have
+    """``attention``: how ragged steps attend (kv/attention.py); the matmul path must have
     been taken, by as many calls as the ragged steps' layers."""
-    from veloxquant_mlx.cache import attention as attention_module
+    from veloxquant_mlx.kv import attention as attention_module
 
     calls = []
     real = attention_module.matmul_attention
@@ -149,7 +149,7 @@ def test_rows_at_one_position_match_stock_caches(arch_model, layout):
 
 
 def test_a_step_batch_masks_only_what_some_row_must_not_see():
-    from veloxquant_mlx.cache.step import StepBatch
+    from veloxquant_mlx.kv.step import StepBatch
 
     level = StepBatch([6, 6])
     assert level.uniform and level.mask(None) is None and level.mask(8) is None

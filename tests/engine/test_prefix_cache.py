@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from tests.engine.conftest import wait_idle
-from veloxquant_mlx.engine.engine import Engine
-from veloxquant_mlx.engine.prefix_cache import CACHE_OWNER
+from veloxquant_mlx.engine.hosts.thread import Engine
+from veloxquant_mlx.engine.loop.prefix_cache import CACHE_OWNER
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -43,7 +43,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int = 12) -> list[
     return out
 
 
-# "fused": the paged layout attending through its tables (cache/paged_attention.py)
+# "fused": the paged layout attending through its tables (kv/paged_attention.py)
 LAYOUTS = {
     "dense": {"kv_layout": "dense"},
     "paged": {"kv_layout": "paged"},

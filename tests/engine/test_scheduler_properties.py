@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.conftest import assert_pool_all_free
-from veloxquant_mlx.cache.paged import PagedKV
-from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+from veloxquant_mlx.kv.paged import PagedKV
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
 LAYERS, BLOCK = 2, 4

@@ -1,4 +1,4 @@
-from veloxquant_mlx.engine.stops import StopMatcher
+from veloxquant_mlx.engine.request.stops import StopMatcher
 
 
 def feed_all(matcher, pieces):

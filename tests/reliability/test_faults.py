@@ -24,7 +24,7 @@ from tests.reliability.conftest import (
     wait_pool_free,
 )
 from tests.server.conftest import settings
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.server.app import create_app, engine_config
 
 pytestmark = pytest.mark.anyio
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.anyio
 def _explode_at_third_token(monkeypatch) -> None:
     """Fault injection into the real step: requests with presence_penalty 1.5 get a logits
     processor that raises at their third token."""
-    from veloxquant_mlx.engine import core
+    from veloxquant_mlx.engine.loop import core
 
     real = core.make_processors
 
@@ -88,7 +88,7 @@ async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
 
 
 async def test_a_fault_before_the_first_token_is_a_500_even_when_streaming(client_for, monkeypatch):
-    from veloxquant_mlx.engine import core
+    from veloxquant_mlx.engine.loop import core
 
     def broken_sampler(params):
         raise OverflowError("injected setup fault")
@@ -149,7 +149,7 @@ def wait_ready(base: str, timeout: float = 120.0) -> None:
 
 LAUNCHER = """
 import sys
-from veloxquant_mlx.engine import core
+from veloxquant_mlx.engine.loop import core
 
 real, steps = core.EngineCore._turn, {"n": 0}
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.reliability.conftest import MODEL, assert_error
-from veloxquant_mlx.engine.grammar import GrammarBusyError, GrammarCompiler, GrammarError
+from veloxquant_mlx.engine.request.grammar import GrammarBusyError, GrammarCompiler, GrammarError
 from veloxquant_mlx.server.structured import schema_grammar
 
 pytestmark = pytest.mark.anyio
@@ -138,8 +138,8 @@ def test_tool_parameters_are_checked_like_response_formats():
 
 
 def test_the_compiler_caches_shares_and_bounds(default_model_dir):
-    from veloxquant_mlx.engine.grammar import grammar_tokenizer
-    from veloxquant_mlx.engine.loader import load_tokenizer
+    from veloxquant_mlx.engine.model.loader import load_tokenizer
+    from veloxquant_mlx.engine.request.grammar import grammar_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     ll = grammar_tokenizer(tokenizer, 2048)

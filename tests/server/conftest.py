@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import assert_engine_all_free, assert_pool_all_free
 from veloxquant_mlx.config import Settings
-from veloxquant_mlx.engine.engine import Engine
+from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.server.app import create_app, engine_config
 
 ADMIN = "admin-key-for-tests"

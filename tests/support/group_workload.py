@@ -15,8 +15,8 @@ import sys
 import time
 
 from veloxquant_mlx.config.launch import launched_rank
-from veloxquant_mlx.engine.engine import Engine, EngineConfig
-from veloxquant_mlx.engine.follower import run_follower
+from veloxquant_mlx.engine.hosts.follower import run_follower
+from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

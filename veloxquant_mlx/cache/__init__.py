@@ -1,22 +1,6 @@
-"""The MLX side of the pool: pool-backed mlx_lm caches, pooled VeloxQuant caches, block storage.
-
-Imports MLX and mlx_lm; ``veloxquant_mlx.pool`` does not.
+"""The seed's caches on the pool (``veloxquant_mlx.memory`` re-exports them): pool-backed mlx_lm
+caches (``pool_backed``, ``pool_backed_batch``), VeloxQuant's compressed caches on the pool
+(``pooled``, ``veloxquant/``) and block storage (``block_storage``). The server does not use
+them; its KV path is ``veloxquant_mlx.kv``. Import the module you need: this package imports
+nothing, so importing it registers nothing with mlx_lm (``pool_backed.register_with_mlx_lm``).
 """
-
-from veloxquant_mlx.cache.block_storage import MLXBlockStorage
-from veloxquant_mlx.cache.pool_backed import (
-    PoolBackedKVCache,
-    build_pooled_caches,
-    pooled_layer_fraction,
-)
-from veloxquant_mlx.cache.pool_backed_batch import PoolBackedBatchKVCache
-from veloxquant_mlx.cache.pooled import PooledKVCache
-
-__all__ = [
-    "MLXBlockStorage",
-    "PoolBackedBatchKVCache",
-    "PoolBackedKVCache",
-    "PooledKVCache",
-    "build_pooled_caches",
-    "pooled_layer_fraction",
-]

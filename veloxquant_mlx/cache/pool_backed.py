@@ -277,8 +277,11 @@ class _NullLease:
         pass
 
 
-# mlx_lm.load_prompt_cache looks cache classes up by name in its own module.
-mlx_cache.PoolBackedKVCache = PoolBackedKVCache  # type: ignore[attr-defined]
+def register_with_mlx_lm() -> None:
+    """Make ``mlx_lm.models.cache.load_prompt_cache`` able to load a saved PoolBackedKVCache
+    (it looks cache classes up by name in its own module). Idempotent; an explicit call, never
+    an import's side effect."""
+    mlx_cache.PoolBackedKVCache = PoolBackedKVCache  # type: ignore[attr-defined]
 
 
 def build_pooled_caches(

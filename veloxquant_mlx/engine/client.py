@@ -4,8 +4,8 @@ process of its own (``--engine-process``). Both facades answer the same calls.""
 from __future__ import annotations
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.engine import Engine
-from veloxquant_mlx.engine.remote import EngineProcess
+from veloxquant_mlx.engine.hosts.process import EngineProcess
+from veloxquant_mlx.engine.hosts.thread import Engine
 
 EngineClient = Engine | EngineProcess
 

@@ -30,25 +30,25 @@ class EngineConfig:
     # Where running rows' KV lives: "paged" (the pool's blocks, read through block tables),
     # "dense" (a contiguous working set, O(row) joins and leaves), "auto" (the measured best).
     kv_layout: str = "auto"
-    # How a decode step whose rows sit at different positions attends (cache/attention.py):
+    # How a decode step whose rows sit at different positions attends (kv/attention.py):
     # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
     # (the measured best: matmul on a GPU, sdpa on a CPU).
     ragged_attention: str = "auto"
-    # How the paged layout's decode attention reads the blocks (cache/paged_attention.py):
+    # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).
     paged_attention: str = "gather"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
     # BatchGenerator does (the dense layout's choice, measured faster). None: the layout's
-    # choice (cache.paged; BENCHMARKS.md, "The paged store launched after the previous step").
+    # choice (kv.paged; BENCHMARKS.md, "The paged store launched after the previous step").
     launch_after_previous: bool | None = None
-    # Share full KV blocks between requests with the same token prefix (engine/prefix_cache.py).
+    # Share full KV blocks between requests with the same token prefix (loop/prefix_cache.py).
     prefix_caching: bool = True
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2
-    # Join the mx.distributed group this process was launched into (engine/group.py): rank 0
+    # Join the mx.distributed group this process was launched into (engine/loop/group.py): rank 0
     # serves, every rank runs the same steps on its shard. ``pipeline``: split the layers
     # (model.model.pipeline) instead of the tensors (model.shard).
     distributed: bool = False

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 from veloxquant_mlx.pool import AllocationStats, BlockPoolAllocator
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.grammar import Grammar
+    from veloxquant_mlx.engine.request.grammar import Grammar
 
 
 class EngineError(RuntimeError):
@@ -198,8 +198,8 @@ class EngineStats:
     blocks_in_use: int  # K + V blocks the running requests hold (shared pages once)
     kv_bytes_per_block: int
     preemptions_total: int = 0
-    kv_layout: str = ""  # "paged" or "dense" (cache.paged)
-    ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (cache.attention)
+    kv_layout: str = ""  # "paged" or "dense" (kv.paged)
+    ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
     prefix_caching: bool = False
     cached_blocks: int = 0  # blocks the prefix cache holds (some may be held by requests too)

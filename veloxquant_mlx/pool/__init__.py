@@ -1,6 +1,7 @@
 """Pure-Python KV block pool: bookkeeping only, no MLX, FastAPI or Prometheus imports.
 
-``pool`` deals in owner ids and block ids; the MLX side lives in ``veloxquant_mlx.cache``.
+``pool`` deals in owner ids and block ids; the MLX side lives in ``veloxquant_mlx.kv`` (the
+serving path) and ``veloxquant_mlx.cache`` (the seed's caches).
 """
 
 from veloxquant_mlx.pool.allocator import DEFAULT_HISTORY_SIZE, BlockPoolAllocator

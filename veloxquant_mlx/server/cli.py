@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("BLAS threads per rank: %d (ranks share this host's cores)", threads)
     rank = launched_rank()
     if rank is not None and rank > 0:  # a follower of an mx.distributed group: no HTTP
-        from veloxquant_mlx.engine.follower import run_follower
+        from veloxquant_mlx.engine.hosts.follower import run_follower
         from veloxquant_mlx.server.app import engine_config
 
         return run_follower(engine_config(settings))

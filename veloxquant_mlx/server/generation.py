@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from veloxquant_mlx.engine.client import EngineClient
-from veloxquant_mlx.engine.handle import Event, RequestHandle
+from veloxquant_mlx.engine.request.handle import Event, RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent, rejection_of
 from veloxquant_mlx.server.errors import error_body, from_finish
 from veloxquant_mlx.server.metrics import Metrics

@@ -9,8 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from veloxquant_mlx.engine.grammar import Grammar
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.request.grammar import Grammar
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError

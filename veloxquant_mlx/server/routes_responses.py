@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_finish

@@ -12,7 +12,7 @@ import asyncio
 import json
 from typing import Any
 
-from veloxquant_mlx.engine.grammar import Grammar, GrammarBusyError, GrammarError
+from veloxquant_mlx.engine.request.grammar import Grammar, GrammarBusyError, GrammarError
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.schemas import ResponseFormat
 

@@ -11,8 +11,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from veloxquant_mlx import __version__
-from veloxquant_mlx.engine.grammar import Grammar
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.request.grammar import Grammar
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     EngineError,
     FinishEvent,

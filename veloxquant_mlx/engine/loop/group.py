@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant_mlx.config.launch import launched_rank
-from veloxquant_mlx.engine.commands import Turn
+from veloxquant_mlx.engine.loop.commands import Turn
 from veloxquant_mlx.engine.types import GroupInfo
 
 log = logging.getLogger("veloxquant.group")

@@ -1,6 +1,6 @@
 """The embedded default model: a tiny random-weight Llama made deterministically on first use.
 
-Nothing is downloaded: the tokenizer and chat template ship in ``engine/assets`` (built by
+Nothing is downloaded: the tokenizer and chat template ship in ``engine/model/assets`` (built by
 ``scripts/build_tokenizer.py``), and the weights come from MLX's seeded generator. The result is
 an ordinary mlx_lm model directory, loaded with ``mlx_lm.load`` like any other.
 """

@@ -18,7 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.commands import (
+from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.loop.commands import (
     Command,
     GroupPools,
     ResetPrefixCache,
@@ -26,20 +27,19 @@ from veloxquant_mlx.engine.commands import (
     Shrink,
     Turn,
 )
-from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.detokenize import Detokenizer
-from veloxquant_mlx.engine.faults import RequestFault
-from veloxquant_mlx.engine.grammar import GrammarCompiler
-from veloxquant_mlx.engine.group import Group
-from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.inbox import Inbox, Snapshot
-from veloxquant_mlx.engine.readback import push_finish, read_back
-from veloxquant_mlx.engine.runner import RowState, Runner, Sampled
-from veloxquant_mlx.engine.running import Running
-from veloxquant_mlx.engine.sampling import make_processors, make_sampler
-from veloxquant_mlx.engine.scheduler import Scheduler, Seq
-from veloxquant_mlx.engine.scoring import prompt_logprobs
-from veloxquant_mlx.engine.turns import TurnSource
+from veloxquant_mlx.engine.loop.group import Group
+from veloxquant_mlx.engine.loop.inbox import Inbox, Snapshot
+from veloxquant_mlx.engine.loop.readback import push_finish, read_back
+from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
+from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.turns import TurnSource
+from veloxquant_mlx.engine.request.detokenize import Detokenizer
+from veloxquant_mlx.engine.request.faults import RequestFault
+from veloxquant_mlx.engine.request.grammar import GrammarCompiler
+from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.request.running import Running
+from veloxquant_mlx.engine.request.sampling import make_processors, make_sampler
+from veloxquant_mlx.engine.request.scoring import prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,

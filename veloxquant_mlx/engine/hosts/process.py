@@ -25,12 +25,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from veloxquant_mlx.engine import loader
-from veloxquant_mlx.engine.checks import static_problem
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.detokenize import token_bytes_table
-from veloxquant_mlx.engine.grammar import GrammarCompiler, grammar_tokenizer
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.model import loader
+from veloxquant_mlx.engine.request.checks import static_problem
+from veloxquant_mlx.engine.request.detokenize import token_bytes_table
+from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
     EngineError,
@@ -52,7 +52,7 @@ log = logging.getLogger("veloxquant.engine")
 
 
 class EngineProcess:
-    """Runs the engine in a child process (``python -m veloxquant_mlx.engine.process``; never
+    """Runs the engine in a child process (``python -m veloxquant_mlx.engine.hosts.child``; never
     a fork: MLX and threads do not survive one).
 
     Owns the child, the pipe's parent end and ``_handles`` (id -> handle of every request sent
@@ -117,7 +117,7 @@ class EngineProcess:
         self._conn = Connection(ours.detach())
         fd = theirs.fileno()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "veloxquant_mlx.engine.process", str(fd)], pass_fds=[fd]
+            [sys.executable, "-m", "veloxquant_mlx.engine.hosts.child", str(fd)], pass_fds=[fd]
         )
         theirs.close()
         self._alive = True

@@ -2,7 +2,7 @@
 
 ``StepBatch`` holds the step's per-row facts (positions, mask, how it attends and reads);
 ``StepCache`` is the cache protocol for one layer (``offset``, ``update_and_fetch``,
-``make_mask``) over a layout of ``cache.paged``, which holds the KV. Engine thread only.
+``make_mask``) over a layout of ``kv.paged``, which holds the KV. Engine thread only.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.cache.attention import RaggedAttention
+    from veloxquant_mlx.kv.attention import RaggedAttention
 
 # A masked dense step under matmul attention reads this many positions at a time: the products'
 # shapes then change every 128 steps, not every step (MLX's CUDA matmul plans per shape; the
@@ -26,7 +26,7 @@ class StepBatch:
 
     Args:
         positions: Where each row's new token goes (= its tokens already in KV), [rows].
-        matmul: A masked step attends through ``cache.attention.matmul_attention``.
+        matmul: A masked step attends through ``kv.attention.matmul_attention``.
         width_chunk: A masked step reads its keys in multiples of this many positions.
 
     ``width`` is the positions every row's keys span after the write (max position + 1);
@@ -94,8 +94,8 @@ class StepCache:
         # evaluates its logits, which hold the send already, so the chained value is kept and
         # not used.
         self.keys: mx.array | None = None
-        # Fused paged attention (cache.paged_attention): ``update_and_fetch`` hands back the
-        # new token and the routed attention (cache.attention) reads the blocks, and says so.
+        # Fused paged attention (kv.paged_attention): ``update_and_fetch`` hands back the
+        # new token and the routed attention (kv.attention) reads the blocks, and says so.
         self.fused: bool = kv.fused
         self.attended = False
 

@@ -1,5 +1,5 @@
 """A rank other than 0 of a group: load this rank's shard, then apply rank 0's turns and run
-the same steps until rank 0 drains (``engine/group.py``). No HTTP, no callers.
+the same steps until rank 0 drains (``engine/loop/group.py``). No HTTP, no callers.
 
 The rank ignores SIGINT and SIGTERM (a launcher forwards them to every rank; rank 0 drains the
 group and this rank stops with it). It exits 0 once rank 0 has drained and its own pool is all
@@ -14,12 +14,12 @@ import os
 import signal
 import threading
 
-from veloxquant_mlx.engine import loader
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.core import EngineCore
-from veloxquant_mlx.engine.engine import build_parts
-from veloxquant_mlx.engine.inbox import Inbox
-from veloxquant_mlx.engine.turns import wait_for_stall
+from veloxquant_mlx.engine.hosts.thread import build_parts
+from veloxquant_mlx.engine.loop.core import EngineCore
+from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.turns import wait_for_stall
+from veloxquant_mlx.engine.model import loader
 
 log = logging.getLogger("veloxquant.group")
 

@@ -8,12 +8,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from veloxquant_mlx.engine.commands import Command
-from veloxquant_mlx.engine.handle import RequestHandle
+from veloxquant_mlx.engine.loop.commands import Command
+from veloxquant_mlx.engine.request.handle import RequestHandle
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.runner import Runner
-    from veloxquant_mlx.engine.scheduler import Scheduler
+    from veloxquant_mlx.engine.loop.runner import Runner
+    from veloxquant_mlx.engine.loop.scheduler import Scheduler
 
 
 @dataclass(slots=True)

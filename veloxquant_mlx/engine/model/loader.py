@@ -11,15 +11,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import attention
-from veloxquant_mlx.cache.paged import fused_unreached, make_kv
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.default_model import NAME as DEFAULT_NAME
-from veloxquant_mlx.engine.default_model import ensure_default_model
-from veloxquant_mlx.engine.group import PIPELINE, Group, init_group
-from veloxquant_mlx.engine.runner import Runner, check_supported
-from veloxquant_mlx.engine.scheduler import Scheduler
-from veloxquant_mlx.engine.sizing import KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
+from veloxquant_mlx.engine.loop.runner import Runner, check_supported
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
+from veloxquant_mlx.engine.model.default_model import ensure_default_model
+from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")

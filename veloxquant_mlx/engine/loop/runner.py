@@ -2,7 +2,7 @@
 runs the model; engine thread only.
 
 A request is prefilled alone, in chunks, into stock mlx_lm caches; then its KV is copied into the
-batch's memory (``cache.paged``: its blocks, or its row of the working set) and it joins the next
+batch's memory (``kv.paged``: its blocks, or its row of the working set) and it joins the next
 decode step. A step feeds every row its last sampled token at its own position, samples each row
 with its own sampler and processors, and is evaluated asynchronously: the engine reads step
 ``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row leaves by
@@ -25,11 +25,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from veloxquant_mlx.cache.dense import DenseKV
-from veloxquant_mlx.cache.paged import PagedKV
-from veloxquant_mlx.cache.step import StepCache
-from veloxquant_mlx.engine.faults import RequestFault
-from veloxquant_mlx.engine.scheduler import Seq
+from veloxquant_mlx.engine.loop.scheduler import Seq
+from veloxquant_mlx.engine.request.faults import RequestFault
+from veloxquant_mlx.kv.layout import KVLayout
+from veloxquant_mlx.kv.step import StepCache
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
@@ -82,9 +81,7 @@ class Runner:
         prefill_step: Tokens per prefill chunk.
     """
 
-    def __init__(
-        self, model: Any, kv: DenseKV | PagedKV, prefill_step: int, block_size: int = 16
-    ) -> None:
+    def __init__(self, model: Any, kv: KVLayout, prefill_step: int, block_size: int = 16) -> None:
         self.model = model
         self.kv = kv
         self.prefill_step = prefill_step

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from veloxquant_mlx.engine.commands import EMPTY, Command, Turn
-from veloxquant_mlx.engine.group import Group
-from veloxquant_mlx.engine.handle import DISCARD, RequestHandle
-from veloxquant_mlx.engine.inbox import Inbox
+from veloxquant_mlx.engine.loop.commands import EMPTY, Command, Turn
+from veloxquant_mlx.engine.loop.group import Group
+from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.request.handle import DISCARD, RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest
 
 log = logging.getLogger("veloxquant.engine")

@@ -6,10 +6,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.detokenize import Detokenizer
-from veloxquant_mlx.engine.faults import RequestFault
-from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.stops import StopMatcher
+from veloxquant_mlx.engine.request.detokenize import Detokenizer
+from veloxquant_mlx.engine.request.faults import RequestFault
+from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.request.stops import StopMatcher
 from veloxquant_mlx.engine.types import TokenEvent
 
 

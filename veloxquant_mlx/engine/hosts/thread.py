@@ -18,18 +18,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine import loader
-from veloxquant_mlx.engine.checks import static_problem
-from veloxquant_mlx.engine.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.core import EngineCore, Parts
-from veloxquant_mlx.engine.detokenize import detokenizer_factory, token_bytes_table
-from veloxquant_mlx.engine.grammar import GrammarCompiler, grammar_tokenizer
-from veloxquant_mlx.engine.handle import EventSink, RequestHandle
-from veloxquant_mlx.engine.inbox import Inbox
-from veloxquant_mlx.engine.scheduler import Scheduler
-from veloxquant_mlx.engine.sizing import KVGeometry
-from veloxquant_mlx.engine.turns import wait_for_stall
+from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
+from veloxquant_mlx.engine.loop.core import EngineCore, Parts
+from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.turns import wait_for_stall
+from veloxquant_mlx.engine.model import loader
+from veloxquant_mlx.engine.model.sizing import KVGeometry
+from veloxquant_mlx.engine.request.checks import static_problem
+from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
+from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
+from veloxquant_mlx.engine.request.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
     EngineError,

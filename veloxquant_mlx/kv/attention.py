@@ -14,7 +14,7 @@ as in serving (BENCHMARKS.md, "Ragged rows"): even with the mask path at 8 rows,
 takes matmul from ``AUTO_MATMUL_MIN_ROWS`` rows.
 
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
-``PagedKV.attend`` (``cache.paged_attention``), which attends through the block tables.
+``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
 
 ``install`` routes a model's attention calls to it: it wraps the ``scaled_dot_product_attention``
 that the model's modules import from ``mlx_lm.models.base``, and the wrapper takes only calls
@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.step import StepCache
+from veloxquant_mlx.kv.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two

@@ -2,7 +2,7 @@
 typed commands, the drain decision. Pure Python (no MLX).
 
 A ``Turn`` is the unit the loop applies before it schedules. In a group over mx.distributed
-(``engine/group.py``) rank 0 builds each turn from its inbox and broadcasts it, and every rank
+(``engine/loop/group.py``) rank 0 builds each turn from its inbox and broadcasts it, and every rank
 applies the same turn and then runs the same step, so the ranks' schedulers, pools and batches
 stay identical. Everything in a turn therefore pickles and nothing in it depends on the clock
 or randomness of the rank that applies it: the leader decides the drain deadline

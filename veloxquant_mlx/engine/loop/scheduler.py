@@ -17,8 +17,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.prefix_cache import PrefixCache, SeqPages
+from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list

@@ -164,7 +164,7 @@ class PagedAttention:
     ) -> mx.array:
         """One new token per row, attending through block tables: ``queries [rows, HQ, 1, D]``;
         ``keys``/``values [rows, HKV, 1, D]`` the layer's new token (position ``lens - 1``);
-        the store ``[blocks * HKV * block_size, D]`` (``cache.paged.PagedKV``'s); ``tabs [2L,
+        the store ``[blocks * HKV * block_size, D]`` (``kv.paged.PagedKV``'s); ``tabs [2L,
         rows, blocks]`` int32, layer ``l``'s K block ids at ``2l``, V's at ``2l + 1``; ``lens
         [rows]`` int32, each row's tokens with the new one. All in the store's dtype. Returns
         ``[rows, HQ, 1, D]``. CUDA only (``kernel_runs``); lazy, like any MLX op."""

@@ -1,21 +1,22 @@
 """The engine's batch KV memory: where each running row's keys and values live between steps.
 
-Two layouts behind one interface, chosen per backend by measurement (BENCHMARKS.md, "Paged KV"):
+Two layouts behind one interface (``kv.layout.KVLayout``), chosen per backend by measurement
+(BENCHMARKS.md, "Paged KV"):
 
 - ``PagedKV`` (here): the pool's blocks are the memory. One MLX array holds every block id's K
   or V, a block as ``[kv_heads, block_size, head_dim]``; a row's block table lists its blocks.
   A step gathers each layer's K blocks and V blocks whole, each in one gather that lands in
   attention's layout (the new token goes into the gathered copies), or with ``fused``
-  attends through the tables where the blocks lie (``cache.paged_attention``); the step's new
+  attends through the tables where the blocks lie (``kv.paged_attention``); the step's new
   tokens reach the store in one scatter when the next step begins (in place: nothing else
   references the store by then).
-- ``DenseKV`` (``cache.dense``): a contiguous working set per layer, ``auto``'s layout.
+- ``DenseKV`` (``kv.dense``): a contiguous working set per layer, ``auto``'s layout.
 
 Either way rows are right-aligned at position 0, every row attends to its own length only
 (``make_mask``) and RoPE takes each row's own offset: nothing is padded to another row's length
 in the accounting, which is the pool's (``blocks held == blocks holding tokens``) in both.
 
-A layout is what ``cache.step.StepCache`` writes to and reads from for an mlx_lm model during a
+A layout is what ``kv.step.StepCache`` writes to and reads from for an mlx_lm model during a
 decode step. Engine thread only.
 """
 
@@ -26,10 +27,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.cache import paged_attention
-from veloxquant_mlx.cache.attention import RaggedAttention
-from veloxquant_mlx.cache.dense import ROW_CHUNK, DenseKV
-from veloxquant_mlx.cache.step import StepBatch
+from veloxquant_mlx.kv import paged_attention
+from veloxquant_mlx.kv.attention import RaggedAttention
+from veloxquant_mlx.kv.dense import ROW_CHUNK, DenseKV
+from veloxquant_mlx.kv.step import StepBatch
 
 
 class PagedKV:
@@ -66,9 +67,9 @@ class PagedKV:
         self.block_size = block_size
         self.n_ids = n_ids
         self.ragged = ragged or RaggedAttention()
-        # Attention reads the blocks where they lie (cache.paged_attention), not gathered
+        # Attention reads the blocks where they lie (kv.paged_attention), not gathered
         # copies: ``write_read`` hands the new token back and the model's attention calls
-        # ``attend`` (``cache.attention.install`` routes it).
+        # ``attend`` (``kv.attention.install`` routes it).
         self.fused = fused
         self._kernel = paged_attention.PagedAttention()
         self._kernel_runs: bool | None = None  # decided at the first fused step (the model's)
@@ -318,9 +319,9 @@ def fused_unreached(
     model: Any, n_layers: int, heads: int, head_dim: int, block_size: int
 ) -> list[int]:
     """The layers whose attention would not reach ``PagedKV.attend`` in a fused step of
-    ``model`` (after ``cache.attention.install``): one one-row step's graph, built and never
+    ``model`` (after ``kv.attention.install``): one one-row step's graph, built and never
     evaluated. All of them if the step cannot be built (sliding windows, sinks, odd shapes)."""
-    from veloxquant_mlx.cache.step import StepCache
+    from veloxquant_mlx.kv.step import StepCache
 
     kv = PagedKV(n_layers, block_size, 2 * n_layers, fused=True)
     zeros = mx.zeros((1, heads, 1, head_dim))

@@ -3,11 +3,11 @@
 ``[rows, kv_heads, capacity, head_dim]`` per layer and stream, row ``i`` = batch row ``i``. A row
 joins by copying its prefill into a free row and leaves a hole the next arrival fills: no KV
 moves on join or leave beyond the joiner's own. Attention reads it in place, where the paged
-layout's gather copies every row's KV every step (``cache.paged``; BENCHMARKS.md, "Paged KV":
+layout's gather copies every row's KV every step (``kv.paged``; BENCHMARKS.md, "Paged KV":
 paged 0.6-0.8x at 32-128 rows on an H200, 0.82-0.95x over HTTP at 8 clients on a 2-core CPU).
 The accounting is the pool's either way (``blocks held == blocks holding tokens``).
 
-A layout is what ``cache.step.StepCache`` writes to and reads from for an mlx_lm model during a
+A layout is what ``kv.step.StepCache`` writes to and reads from for an mlx_lm model during a
 decode step. Engine thread only.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.attention import RaggedAttention
-from veloxquant_mlx.cache.step import StepBatch
+from veloxquant_mlx.kv.attention import RaggedAttention
+from veloxquant_mlx.kv.step import StepBatch
 
 ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many (PagedKV its table mirror)
 SLOT_CHUNK = 256  # and its capacity in chunks of this many positions (a multiple of READ_CHUNK)
@@ -28,7 +28,7 @@ class DenseKV:
     """Contiguous per-layer working set; row ``i`` holds batch row ``i``'s tokens from 0."""
 
     kind = "dense"
-    fused = False  # attention always reads the working set as returned (cache.step)
+    fused = False  # attention always reads the working set as returned (kv.step)
 
     def __init__(
         self, n_layers: int, block_size: int = 16, ragged: RaggedAttention | None = None

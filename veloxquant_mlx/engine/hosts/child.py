@@ -32,9 +32,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.engine import Engine
-from veloxquant_mlx.engine.grammar import Grammar, GrammarBusyError, GrammarError
-from veloxquant_mlx.engine.handle import Event, RequestHandle
+from veloxquant_mlx.engine.hosts.thread import Engine
+from veloxquant_mlx.engine.request.grammar import Grammar, GrammarBusyError, GrammarError
+from veloxquant_mlx.engine.request.handle import Event, RequestHandle
 from veloxquant_mlx.engine.types import (
     REJECTED,
     EngineError,
@@ -262,7 +262,7 @@ def _portable(exc: Exception) -> Exception:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m veloxquant_mlx.engine.process FD``: FD is this end of the server's socket
+    """``python -m veloxquant_mlx.engine.hosts.child FD``: FD is this end of the server's socket
     pair; the first message is ``("config", EngineConfig, log_format, log_level, interval)``."""
     conn = Connection(int(argv[0]))
     try:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from veloxquant_mlx.engine.grammar import Grammar, GrammarProcessor
+from veloxquant_mlx.engine.request.grammar import Grammar, GrammarProcessor
 from veloxquant_mlx.engine.types import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]

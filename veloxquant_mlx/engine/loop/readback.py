@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
-from veloxquant_mlx.engine.handle import RequestHandle
-from veloxquant_mlx.engine.inbox import Inbox
-from veloxquant_mlx.engine.runner import Sampled
-from veloxquant_mlx.engine.running import Running
-from veloxquant_mlx.engine.scheduler import Seq
+from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.runner import Sampled
+from veloxquant_mlx.engine.loop.scheduler import Seq
+from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.request.running import Running
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent, Usage
 
 

@@ -1,0 +1,14 @@
+"""The serving KV path: where the engine's running rows keep their keys and values.
+
+- ``layout``: the ``KVLayout`` protocol the engine's runner drives.
+- ``dense``: a contiguous working set per layer (the default).
+- ``paged``: the pool's blocks as the memory, read through block tables (``--kv-layout paged``).
+- ``step``: the per-layer ``StepCache`` an mlx_lm model writes to and reads from in a decode step.
+- ``attention``: ragged attention for rows of different lengths, and the routing of a model's
+  attention to ``PagedKV.attend`` (``--paged-attention fused``).
+- ``paged_attention``: that attention through the block tables (a CUDA kernel; MLX ops
+  elsewhere).
+
+Imports MLX; imports neither the engine nor the seed's caches (``veloxquant_mlx.cache``).
+Engine thread only.
+"""
