@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from tests.engine.conftest import wait_idle
-from veloxquant_mlx.engine.hosts import thread as engine_module
+from veloxquant_mlx.engine.hosts import base as engine_module
 from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,

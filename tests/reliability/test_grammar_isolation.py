@@ -138,7 +138,7 @@ def test_tool_parameters_are_checked_like_response_formats():
 
 
 def test_the_compiler_caches_shares_and_bounds(default_model_dir):
-    from veloxquant_mlx.engine.model.loader import load_tokenizer
+    from veloxquant_mlx.engine.model.tokenizer import load_tokenizer
     from veloxquant_mlx.engine.request.grammar import grammar_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)

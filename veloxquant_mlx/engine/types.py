@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from veloxquant_mlx.pool import AllocationStats, BlockPoolAllocator
 
@@ -179,24 +179,17 @@ class FinishEvent:
     text: str = ""  # text released at the end (held back for a stop string that did not match)
     error: str | None = None
     error_code: str | None = None
+    refusal: Refusal | None = None  # refused before it ran (an engine in its own process)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A frozen snapshot of the engine's counters."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepSnapshot:
+    """What the engine loop publishes after each turn that changed something (engine thread
+    writes, any thread reads; it crosses the engine process's pipe as it is)."""
 
-    alive: bool
-    ready: bool
-    draining: bool
-    running: int
-    waiting: int
-    prompt_tokens_total: int
-    generated_tokens_total: int
-    requests_finished_total: dict[str, int]
-    rejections_total: dict[str, int]
-    failures_total: dict[str, int]  # requests ended with an error, by FinishEvent.error_code
-    blocks_in_use: int  # K + V blocks the running requests hold (shared pages once)
-    kv_bytes_per_block: int
+    running: int = 0
+    waiting: int = 0
+    blocks_in_use: int = 0  # K + V blocks the running requests hold (shared pages once)
     preemptions_total: int = 0
     kv_layout: str = ""  # "paged" or "dense" (kv.paged)
     ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
@@ -211,6 +204,26 @@ class EngineStats:
     # False once a shrink left the pool unable to hold the smallest request the engine was
     # started to serve (``EngineConfig.min_request_tokens``): /ready then answers 503
     holds_a_request: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats(StepSnapshot):
+    """The engine's last ``StepSnapshot`` with its host's state and the request counters."""
+
+    alive: bool = False
+    ready: bool = False
+    draining: bool = False
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    requests_finished_total: dict[str, int] = field(default_factory=dict)
+    rejections_total: dict[str, int] = field(default_factory=dict)
+    failures_total: dict[str, int] = field(default_factory=dict)  # by FinishEvent.error_code
+    kv_bytes_per_block: int = 0
+
+    @classmethod
+    def of(cls, step: StepSnapshot, **rest: Any) -> EngineStats:
+        """``step``'s fields as they are, and ``rest`` (the fields only a host knows)."""
+        return cls(**{f.name: getattr(step, f.name) for f in fields(StepSnapshot)}, **rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +260,7 @@ class EngineView:
     pool: PoolView | None
 
 
-# A refusal the engine process decided (queue full, shrunk pool, draining) reaches the server as
-# a FinishEvent whose error_code is this prefix plus the error's ``reason``.
-REJECTED = "rejected:"
-REJECTIONS: dict[str, type[EngineError]] = {
+REFUSALS: dict[str, type[EngineError]] = {
     e.reason: e
     for e in (
         QueueFullError,
@@ -262,13 +272,29 @@ REJECTIONS: dict[str, type[EngineError]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request the engine refused before running it, as a value (it crosses the engine
+    process's pipe in a ``FinishEvent``): the error's ``reason``, message and field."""
+
+    reason: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: EngineError) -> Refusal:
+        return cls(error.reason, str(error), getattr(error, "param", None))
+
+    def error(self) -> EngineError:
+        kind = REFUSALS.get(self.reason, EngineNotReadyError)
+        if kind is InvalidRequestError:
+            return InvalidRequestError(self.message, self.param)
+        return kind(self.message)
+
+
 def rejection_of(finish: FinishEvent) -> EngineError | None:
-    """The refusal a FinishEvent carries (see ``REJECTED``), or None."""
-    code = finish.error_code or ""
-    if not code.startswith(REJECTED):
-        return None
-    error = REJECTIONS.get(code.removeprefix(REJECTED), EngineNotReadyError)
-    return error(finish.error or "the request was refused")
+    """The refusal a FinishEvent carries, as the error ``submit`` would have raised, or None."""
+    return None if finish.refusal is None else finish.refusal.error()
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,3 +304,21 @@ class GroupInfo:
     world_size: int = 1
     rank: int = 0
     mode: str = "none"  # "tensor", "pipeline" or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the engine is, fixed at load and sent once when it is ready (by every host: it
+    crosses the engine process's pipe as it is)."""
+
+    model_name: str
+    model_path: str
+    vocab_size: int
+    context_window: int | None  # the model's maximum positions, None if it does not say
+    kv_bytes_per_block: int
+    kv_layers: int  # layers whose K and V take pool blocks
+    block_size: int
+    kv_layout: str  # "dense" or "paged"
+    blas: str
+    device: str
+    group: GroupInfo = field(default_factory=GroupInfo)

@@ -1,20 +1,10 @@
-"""The engine in a process of its own: the child's side (``remote.EngineProcess`` is the
+"""The engine in a process of its own: the child's side (``hosts.process.EngineProcess`` is the
 server's).
 
 Why a process: the event loop (HTTP, JSON, SSE) and the engine thread share one GIL in one
 process, and at dozens of streams the loop's Python work delays every decode step
 (DESIGN-NOTES.md, "Engine process"). Here the engine has its own interpreter; the two talk over
-one duplex pipe (``multiprocessing.connection``, pickled tuples):
-
-    server -> engine  ("add", id, GenerationRequest)   ("cancel", id)
-                      ("call", call_id, name, args)     ("shutdown", drain_timeout)
-    engine -> server  ("ready", info)  ("load_error", type name, message)
-                      ("ev", [(id, [events...]), ...])  one message per step, FinishEvents last
-                      ("ret", call_id, ok, value)       ("dead", message)  ("exit",)
-
-Ids are the server's; the child's ``Engine`` keeps its own request ids (the pool's owners).
-A refusal only the engine can decide (queue full, a pool shrunk below the prompt, draining)
-comes back as a FinishEvent whose code is ``types.REJECTED`` + the reason.
+one duplex pipe with the frozen messages of ``hosts.messages``.
 """
 
 from __future__ import annotations
@@ -32,22 +22,33 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.hosts.messages import (
+    CALLS,
+    Add,
+    Call,
+    Cancel,
+    Config,
+    Dead,
+    Events,
+    Exit,
+    LoadError,
+    Ready,
+    Return,
+    Shutdown,
+)
 from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.engine.request.grammar import Grammar, GrammarBusyError, GrammarError
 from veloxquant_mlx.engine.request.handle import Event, RequestHandle
 from veloxquant_mlx.engine.types import (
-    REJECTED,
     EngineError,
     FinishEvent,
     GenerationRequest,
     InvalidRequestError,
+    Refusal,
     Usage,
 )
 
 log = logging.getLogger("veloxquant.engine")
-
-# What the server may call on the child's Engine (anything else is refused).
-CALLS = ("shrink", "reset_prefix_cache", "score", "view")
 
 
 def serve(
@@ -91,7 +92,7 @@ class Bridge:
         self._compiling: dict[int, bool] = {}  # tag -> cancelled, while its grammar compiles
         self._stopping = threading.Event()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: object) -> None:
         # the server gone: the receiver sees it and stops the engine
         with self._send_lock, contextlib.suppress(OSError, EOFError):
             self.conn.send(message)
@@ -106,7 +107,7 @@ class Bridge:
             if isinstance(events[-1], FinishEvent):
                 with self._lock:
                     self._handles.pop(handle.tag, None)
-        self.send(("ev", out))
+        self.send(Events(out))
 
     # ------------------------------------------------------------------ the child's main thread
 
@@ -116,24 +117,10 @@ class Bridge:
             engine.wait_ready()
         except BaseException as exc:
             engine.shutdown(0)  # joins the engine thread: MLX aborts an exit under a live one
-            self.send(("load_error", type(exc).__name__, str(exc)))
+            self.send(LoadError(type(exc).__name__, str(exc)))
             return
-        assert engine.geometry is not None
-        self.send(
-            (
-                "ready",
-                {
-                    "model_name": engine.model_name,
-                    "model_path": engine.model_path,
-                    "kv_bytes_per_block": engine.kv_bytes_per_block,
-                    "blas": engine.blas,
-                    "device": engine.device,
-                    "vocab_size": engine.vocab_size,
-                    "context_window": engine.context_window,
-                    "kv_layers": engine.kv_layers,
-                },
-            )
-        )
+        assert engine.info is not None
+        self.send(Ready(engine.info))
         threading.Thread(target=self._watch, name="veloxquant-engine-watch", daemon=True).start()
         try:
             self._receive()
@@ -145,7 +132,7 @@ class Bridge:
         """Tell the server when the engine thread died (it has failed its requests already)."""
         while not self._stopping.is_set():
             if not self.engine.alive and not self.engine.draining:
-                self.send(("dead", "the engine thread died"))
+                self.send(Dead("the engine thread died"))
                 return
             time.sleep(0.1)
 
@@ -157,19 +144,18 @@ class Bridge:
                 if not self._stopping.is_set():
                     log.warning("the server's process is gone; stopping the engine")
                 return
-            kind = message[0]
-            if kind == "add":
-                self._add(message[1], message[2])
-            elif kind == "cancel":
-                self._cancel(message[1])
-            elif kind == "call":
-                self._call(message[1], message[2], message[3])
-            elif kind == "shutdown":
+            if isinstance(message, Add):
+                self._add(message.request_id, message.request)
+            elif isinstance(message, Cancel):
+                self._cancel(message.request_id)
+            elif isinstance(message, Call):
+                self._call(message.call_id, message.name, message.args)
+            elif isinstance(message, Shutdown):
                 threading.Thread(
-                    target=self._shutdown, args=(message[1],), name="veloxquant-drain"
+                    target=self._shutdown, args=(message.drain_timeout,), name="veloxquant-drain"
                 ).start()
             else:
-                log.error("unknown message from the server: %r", kind)
+                log.error("unknown message from the server: %s", type(message).__name__)
 
     def _add(self, tag: int, request: GenerationRequest) -> None:
         grammar, grammars = request.grammar, self.engine.grammars
@@ -224,13 +210,13 @@ class Bridge:
         if exc is None:
             finish = FinishEvent("cancelled", usage, time.monotonic())
         else:
-            code = REJECTED + exc.reason
-            finish = FinishEvent("error", usage, time.monotonic(), error=str(exc), error_code=code)
-        self.send(("ev", [(tag, [finish])]))
+            refusal = Refusal.of(exc)
+            finish = FinishEvent("error", usage, time.monotonic(), error=str(exc), refusal=refusal)
+        self.send(Events([(tag, [finish])]))
 
     def _call(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         if name not in CALLS:
-            self.send(("ret", call_id, False, ValueError(f"no such call: {name}")))
+            self.send(Return(call_id, False, ValueError(f"no such call: {name}")))
             return
         if name == "view":  # thread-safe reads: answered here, never behind a step
             self._answer(call_id, name, args)
@@ -243,14 +229,14 @@ class Bridge:
         try:
             value = getattr(self.engine, name)(*args)
         except Exception as exc:
-            self.send(("ret", call_id, False, _portable(exc)))
+            self.send(Return(call_id, False, _portable(exc)))
             return
-        self.send(("ret", call_id, True, value))
+        self.send(Return(call_id, True, value))
 
     def _shutdown(self, drain_timeout: float) -> None:
         self.engine.shutdown(drain_timeout)
         self._stopping.set()
-        self.send(("exit",))  # the server closes its end: the receiver's recv ends, run returns
+        self.send(Exit())  # the server closes its end: the receiver's recv ends, run returns
 
 
 def _portable(exc: Exception) -> Exception:
@@ -263,14 +249,14 @@ def _portable(exc: Exception) -> Exception:
 
 def main(argv: list[str]) -> int:
     """``python -m veloxquant_mlx.engine.hosts.child FD``: FD is this end of the server's socket
-    pair; the first message is ``("config", EngineConfig, log_format, log_level, interval)``."""
+    pair; the first message is a ``messages.Config``."""
     conn = Connection(int(argv[0]))
     try:
-        kind, config, *args = conn.recv()
+        first = conn.recv()
     except (EOFError, OSError):
         return 1
-    assert kind == "config", kind
-    serve(config, conn, *args)
+    assert isinstance(first, Config), type(first).__name__
+    serve(first.config, conn, first.log_format, first.log_level, first.switch_interval)
     return 0
 
 

@@ -1,9 +1,9 @@
-"""EngineProcess: the server's facade over an engine running in a process of its own.
+"""EngineProcess: the server's host for an engine running in a process of its own.
 
-The same calls as ``engine.Engine`` (submit, cancel, shrink, reset_prefix_cache, score, view,
-stats, shutdown), so the server uses either. The child (``process.serve``) owns the model, the
-scheduler, the pool and every MLX call; this side owns the pipe, the handles of unfinished
-requests and a copy of the tokenizer (the routes tokenize and render chat templates here).
+The same calls as ``hosts.thread.Engine`` (``client.EngineClient``), so the server uses either.
+The child (``hosts.child``) owns the model, the scheduler, the pool and every MLX call; this side
+owns the pipe, the handles of unfinished requests and a copy of the tokenizer (the routes
+tokenize and render chat templates here).
 """
 
 from __future__ import annotations
@@ -22,25 +22,32 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.model import loader
-from veloxquant_mlx.engine.request.checks import static_problem
-from veloxquant_mlx.engine.request.detokenize import token_bytes_table
-from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
+from veloxquant_mlx.engine.hosts.base import HostBase
+from veloxquant_mlx.engine.hosts.messages import (
+    Add,
+    Call,
+    Cancel,
+    Config,
+    Dead,
+    Events,
+    Exit,
+    LoadError,
+    Ready,
+    Return,
+    Shutdown,
+)
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
-    EngineError,
+    EngineInfo,
     EngineNotReadyError,
     EngineStats,
     EngineView,
     FinishEvent,
     GenerationRequest,
-    GroupInfo,
-    InvalidRequestError,
     TokenEvent,
     Usage,
 )
@@ -51,7 +58,7 @@ __all__ = ["EngineProcess"]
 log = logging.getLogger("veloxquant.engine")
 
 
-class EngineProcess:
+class EngineProcess(HostBase):
     """Runs the engine in a child process (``python -m veloxquant_mlx.engine.hosts.child``; never
     a fork: MLX and threads do not survive one).
 
@@ -77,6 +84,7 @@ class EngineProcess:
         log_level: str = "info",
         switch_interval: float | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         self._child_args = (log_format, log_level, switch_interval)
         self._lock = threading.Lock()
@@ -84,9 +92,6 @@ class EngineProcess:
         self._handles: dict[int, RequestHandle] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._ids = itertools.count(1)
-        self._rejected: Counter[str] = Counter()  # refused here, before the child saw them
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
         self._alive = False
         self._draining = False
         self._exited = threading.Event()
@@ -94,19 +99,6 @@ class EngineProcess:
         self._process: Any = None
         self._conn: Any = None
         self._reader: threading.Thread | None = None
-        # Filled when the child is ready (read-only afterwards).
-        self.tokenizer: Any = None
-        self.model_name = ""
-        self.model_path = ""
-        self.kv_bytes_per_block = 0
-        self.blas = "unknown"
-        self.device = "unknown"
-        self.vocab_size = 0
-        self.group_info = GroupInfo()  # an engine process is never part of a group
-        self.kv_layers = 0
-        self.token_bytes: list[bytes] | None = None
-        self.grammars: GrammarCompiler | None = None  # this side's, for the routes' checks
-        self._context_window: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,7 +113,7 @@ class EngineProcess:
         )
         theirs.close()
         self._alive = True
-        self._send(("config", self.config, *self._child_args))
+        self._send(Config(self.config, *self._child_args))
         self._reader = threading.Thread(
             target=self._read, name="veloxquant-engine-pipe", daemon=True
         )
@@ -134,40 +126,24 @@ class EngineProcess:
         """The engine process's pid (None before start)."""
         return None if self._process is None else self._process.pid
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the child has loaded the model. Raises its load error, or TimeoutError."""
-        if not self._ready.wait(timeout):
-            raise TimeoutError("engine not ready in time")
-        if self._load_error is not None:
-            raise self._load_error
-
     @property
     def alive(self) -> bool:
         return self._alive
 
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self._load_error is None and self._alive
-
-    @property
     def draining(self) -> bool:
         return self._draining
-
-    @property
-    def context_window(self) -> int | None:
-        return self._context_window
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting; the child lets running requests finish until the deadline and fails
         the rest, then exits. Returns when it has (killed if it overstays by 30 s). Idempotent."""
         self._draining = True
-        if self.grammars is not None:
-            self.grammars.shutdown()
+        self._stop_tools()
         if self._process is None:
             return
         if self._alive:
             with contextlib.suppress(EngineNotReadyError):  # gone already: nothing to drain
-                self._send(("shutdown", max(0.0, drain_timeout)))
+                self._send(Shutdown(max(0.0, drain_timeout)))
             self._exited.wait(max(0.0, drain_timeout) + 30.0)
         self._close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -193,7 +169,7 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ the pipe
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: object) -> None:
         with self._send_lock:
             try:
                 self._conn.send(message)
@@ -205,29 +181,28 @@ class EngineProcess:
         try:
             while True:
                 message = conn.recv()
-                kind = message[0]
-                if kind == "ev":
-                    self._dispatch(message[1])
-                elif kind == "ret":
+                if isinstance(message, Events):
+                    self._dispatch(message.items)
+                elif isinstance(message, Return):
                     with self._lock:
-                        future = self._calls.pop(message[1], None)
+                        future = self._calls.pop(message.call_id, None)
                     if future is not None:
-                        if message[2]:
-                            future.set_result(message[3])
+                        if message.ok:
+                            future.set_result(message.value)
                         else:
-                            future.set_exception(message[3])
-                elif kind == "ready":
-                    self._on_ready(message[1])
-                elif kind == "load_error":
-                    error = getattr(builtins, message[1], None)
+                            future.set_exception(message.value)
+                elif isinstance(message, Ready):
+                    self._on_ready(message.info)
+                elif isinstance(message, LoadError):
+                    error = getattr(builtins, message.kind, None)
                     if not (isinstance(error, type) and issubclass(error, Exception)):
                         error = RuntimeError
-                    self._load_error = error(message[2])
+                    self._load_error = error(message.message)
                     self._ready.set()
-                elif kind == "dead":
-                    log.critical("the engine process reports: %s", message[1])
+                elif isinstance(message, Dead):
+                    log.critical("the engine process reports: %s", message.message)
                     self._alive = False
-                elif kind == "exit":
+                elif isinstance(message, Exit):
                     self._exited.set()
                     break
         except (EOFError, OSError):
@@ -235,26 +210,12 @@ class EngineProcess:
         finally:
             self._gone()
 
-    def _on_ready(self, info: dict[str, Any]) -> None:
+    def _on_ready(self, info: EngineInfo) -> None:
         try:
-            tokenizer = loader.load_tokenizer(Path(info["model_path"]))
-            self.token_bytes = token_bytes_table(tokenizer)
-            ll_tokenizer = grammar_tokenizer(tokenizer, info["vocab_size"])
-            self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)
+            self._loaded(info)
         except Exception as exc:
             log.exception("could not load the tokenizer the engine process serves")
             self._load_error = exc
-            self._ready.set()
-            return
-        self.tokenizer = tokenizer
-        self.model_name = info["model_name"]
-        self.model_path = info["model_path"]
-        self.kv_bytes_per_block = info["kv_bytes_per_block"]
-        self.blas = info["blas"]
-        self.device = info["device"]
-        self.vocab_size = info["vocab_size"]
-        self._context_window = info["context_window"]
-        self.kv_layers = info["kv_layers"]
         self._ready.set()
 
     def _dispatch(self, items: list[tuple[int, list[TokenEvent | FinishEvent]]]) -> None:
@@ -303,35 +264,23 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ callers' API
 
-    def _refuse(self, error: EngineError) -> EngineError:
-        with self._lock:
-            self._rejected[error.reason] += 1
-        return error
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Send ``request`` to the engine; returns its handle at once. What the model's static
         facts decide raises here (as ``Engine.submit``); a refusal that needs the engine's state
-        (queue full, a shrunk pool, draining) is the handle's FinishEvent, with the code
-        ``types.REJECTED`` + reason (``types.rejection_of`` turns it back into the error).
+        (queue full, a shrunk pool, draining) is the handle's FinishEvent, carrying a
+        ``types.Refusal`` (``types.rejection_of`` turns it back into the error).
 
         Raises:
             EngineNotReadyError: Still loading, draining, or the engine process is gone.
             InvalidRequestError, RequestTooLargeError: See ``checks.static_problem``.
         """
-        if not self.ready or self._draining:
-            why = "the engine is draining" if self._draining else "the engine is not running"
-            raise self._refuse(EngineNotReadyError(why))
-        problem = static_problem(request, self.vocab_size, self._context_window)
-        if problem is not None:
-            raise self._refuse(problem)
-        if request.grammar is not None and self.grammars is None:
-            raise self._refuse(InvalidRequestError("this model's output cannot be constrained"))
+        self._check(request)
         request_id = next(self._ids)
         handle = RequestHandle(request_id, request)
         with self._lock:
             self._handles[request_id] = handle
         try:
-            self._send(("add", request_id, request))
+            self._send(Add(request_id, request))
         except EngineNotReadyError:
             with self._lock:
                 self._handles.pop(request_id, None)
@@ -342,7 +291,7 @@ class EngineProcess:
         """Cancel a queued or running request; the child frees its blocks within one step."""
         if not handle.done and self._alive:
             with contextlib.suppress(EngineNotReadyError):  # gone: _gone() ends the handle
-                self._send(("cancel", handle.request_id))
+                self._send(Cancel(handle.request_id))
 
     def shrink(self, stream: str, target_free: int, timeout: float = 30.0) -> int:
         """As ``Engine.shrink``, in the child."""
@@ -363,9 +312,8 @@ class EngineProcess:
             view: EngineView = self._call("view", (), timeout)
             self._last_view = view
         except EngineNotReadyError:
-            view = self._last_view or EngineView(_NO_STATS, None)
-        with self._lock:
-            rejected = Counter(view.stats.rejections_total) + self._rejected
+            view = self._last_view or EngineView(EngineStats(), None)
+        rejected = Counter(view.stats.rejections_total) + Counter(self._refusals())
         stats = dataclasses.replace(
             view.stats,
             alive=self.alive,
@@ -386,7 +334,7 @@ class EngineProcess:
         with self._lock:
             self._calls[call_id] = future
         try:
-            self._send(("call", call_id, name, args))
+            self._send(Call(call_id, name, args))
         except EngineNotReadyError:
             with self._lock:
                 self._calls.pop(call_id, None)
@@ -396,19 +344,3 @@ class EngineProcess:
         finally:
             with self._lock:
                 self._calls.pop(call_id, None)
-
-
-_NO_STATS = EngineStats(
-    alive=False,
-    ready=False,
-    draining=False,
-    running=0,
-    waiting=0,
-    prompt_tokens_total=0,
-    generated_tokens_total=0,
-    requests_finished_total={},
-    rejections_total={},
-    failures_total={},
-    blocks_in_use=0,
-    kv_bytes_per_block=0,
-)

@@ -19,20 +19,19 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.hosts.base import HostBase
+from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
 from veloxquant_mlx.engine.loop.inbox import Inbox
-from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.model import loader
-from veloxquant_mlx.engine.model.sizing import KVGeometry
-from veloxquant_mlx.engine.request.checks import static_problem
 from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.request.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
-    EngineError,
+    EngineInfo,
     EngineNotReadyError,
     EngineStats,
     EngineView,
@@ -66,7 +65,7 @@ def build_parts(rt: loader.Runtime) -> Parts:
     )
 
 
-class Engine:
+class Engine(HostBase):
     """Runs every request on one engine thread, batched over the pool's KV memory.
 
     A request is admitted when the pool holds its prompt now (``max_tokens`` is not reserved);
@@ -74,35 +73,25 @@ class Engine:
     (``scheduler``). Whatever ends a request (finish, stop string, cancel, error, shutdown), its
     blocks are released in a ``finally``.
 
+    Owns the engine thread, the ``Inbox`` callers reach it through, and (set at load, read-only
+    afterwards) the pool and the ``BlockMath`` submit checks prompts with.
+
     Args:
         config: What to load and how to size and batch.
         step_hook: Called on the engine thread before every turn (tests inject faults here).
     """
 
     def __init__(self, config: EngineConfig, *, step_hook: Callable[[], None] | None = None):
+        super().__init__()
         self.config = config
         self._step_hook = step_hook
         self._inbox = Inbox()
         self._next_request_id = 0
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="veloxquant-engine", daemon=True)
         self._core: EngineCore | None = None
-        # Set on the engine thread during load, read-only afterwards.
         self.pool: BlockPoolAllocator | None = None
-        self.tokenizer: Any = None
-        self.model_name = ""
-        self.geometry: KVGeometry | None = None
-        self.kv_bytes_per_block = 0
-        self.blas = "unknown"
-        self.device = "unknown"
-        self.vocab_size = 0
-        self.model_path = ""
-        self.token_bytes: list[bytes] | None = None
-        self.grammars: GrammarCompiler | None = None  # None: output cannot be constrained
-        self.group_info = GroupInfo()
+        self._blocks: BlockMath | None = None
         self._abandoned = False  # the group watchdog gave up on the engine thread
-        self._scheduler: Scheduler | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,35 +100,13 @@ class Engine:
         self._thread.start()
         return self
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the model is loaded. Raises the load error, or TimeoutError."""
-        if not self._ready.wait(timeout):
-            if self._load_error is not None:
-                raise self._load_error
-            raise TimeoutError("engine not ready in time")
-        if self._load_error is not None:
-            raise self._load_error
-
     @property
     def alive(self) -> bool:
         return self._inbox.alive and self._thread.is_alive()
 
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self._load_error is None and self.alive
-
-    @property
     def draining(self) -> bool:
         return self._inbox.draining
-
-    @property
-    def context_window(self) -> int | None:
-        return self.geometry.context_window if self.geometry else None
-
-    @property
-    def kv_layers(self) -> int:
-        """Layers whose K and V take pool blocks: a token block is ``2 * kv_layers`` blocks."""
-        return self.geometry.n_layers_total if self.geometry else 0
 
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop admitting; let running requests finish until the deadline; fail the rest.
@@ -155,8 +122,7 @@ class Engine:
             ib.lock.notify_all()
         if self._thread.is_alive() and not self._abandoned:  # a stuck thread never returns
             self._thread.join(max(0.0, drain_timeout) + 30.0)
-        if self.grammars is not None:
-            self.grammars.shutdown()
+        self._stop_tools()
 
     # ------------------------------------------------------------------ engine thread
 
@@ -191,16 +157,24 @@ class Engine:
 
     def _load(self) -> None:
         rt = loader.build_runtime(self.config)
-        self.tokenizer, self.model_name = rt.tokenizer, rt.name
-        self.geometry, self.pool, self._scheduler = rt.geometry, rt.pool, rt.scheduler
-        self.kv_bytes_per_block, self.blas, self.device = rt.kv_bytes_per_block, rt.blas, rt.device
-        self.vocab_size = rt.vocab_size
-        self.model_path = str(rt.path)
+        self.pool, self._blocks = rt.pool, rt.scheduler.blocks
         parts = build_parts(rt)
-        self.token_bytes, self.grammars = parts.token_bytes, parts.grammars
         self._core = EngineCore(self.config, self._inbox, parts, self._step_hook, rt.group)
+        info = EngineInfo(
+            model_name=rt.name,
+            model_path=str(rt.path),
+            vocab_size=rt.vocab_size,
+            context_window=rt.geometry.context_window,
+            kv_bytes_per_block=rt.kv_bytes_per_block,
+            kv_layers=rt.geometry.n_layers_total,
+            block_size=self.config.block_size,
+            kv_layout=rt.runner.kv.kind,
+            blas=rt.blas,
+            device=rt.device,
+            group=GroupInfo() if rt.group is None else rt.group.info,
+        )
+        self._loaded(info, rt.tokenizer)
         if rt.group is not None:
-            self.group_info = rt.group.info
             watchdog = threading.Thread(
                 target=self._watch_group, name="veloxquant-group-watchdog", daemon=True
             )
@@ -219,14 +193,6 @@ class Engine:
 
     # ------------------------------------------------------------------ callers' API
 
-    def _reject(self, error: type[EngineError], *args: Any) -> EngineError:
-        return self._count(error(*args))
-
-    def _count(self, error: EngineError) -> EngineError:
-        with self._inbox.lock:
-            self._inbox.counters.rejected[error.reason] += 1
-        return error
-
     def submit(
         self, request: GenerationRequest, sink: EventSink | None = None, tag: Any = None
     ) -> RequestHandle:
@@ -238,46 +204,40 @@ class Engine:
             RequestTooLargeError: Over the context window, or a prompt the whole pool at its
                 maximum size could never hold.
             CapacityReducedError: A prompt the pool holds as configured but not as shrunk.
-            InvalidRequestError: A token id or ``top_k`` outside the model's vocabulary.
+            InvalidRequestError: A token id or ``top_k`` outside the model's vocabulary, or a
+                grammar not compiled (``GrammarCompiler``: never on the engine thread).
             QueueFullError: The waiting queue is at ``max_queue``.
         """
-        n_prompt = len(request.prompt_tokens)
+        self._check(request)
+        if request.grammar is not None and request.grammar.compiled is None:
+            raise self._refuse(InvalidRequestError("a grammar must come compiled", "grammar"))
         if self.group_info.world_size > 1 and request.sampling.seed is None:
             # Every rank samples this request: they must draw from the same key.
             seeded = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
             request = dataclasses.replace(request, sampling=seeded)
-        if not self.ready or self.draining:
-            raise self._reject(
-                EngineNotReadyError,
-                "the engine is draining" if self.draining else "the engine is not running",
-            )
-        problem = static_problem(request, self.vocab_size, self.context_window)
-        if problem is not None:
-            raise self._count(problem)
-        if request.grammar is not None and (
-            request.grammar.compiled is None or self.grammars is None
-        ):
-            raise self._count(InvalidRequestError("a grammar must come compiled (GrammarCompiler)"))
-        scheduler = self._scheduler
-        assert scheduler is not None
-        if not scheduler.could_ever_fit(n_prompt + 1):
-            if scheduler.fits_configured(n_prompt + 1):
-                raise self._reject(
-                    CapacityReducedError,
-                    "the KV pool has been shrunk below what this prompt needs; try again later",
+        n_prompt = len(request.prompt_tokens)
+        blocks = self._blocks
+        assert blocks is not None
+        if not blocks.could_ever_fit(n_prompt + 1):
+            if blocks.fits_configured(n_prompt + 1):
+                raise self._refuse(
+                    CapacityReducedError(
+                        "the KV pool has been shrunk below what this prompt needs; try again later"
+                    )
                 )
-            raise self._reject(
-                RequestTooLargeError,
-                f"the prompt ({n_prompt} tokens) needs more KV blocks than the whole pool holds",
+            raise self._refuse(
+                RequestTooLargeError(
+                    f"the prompt ({n_prompt} tokens) needs more KV blocks than the whole pool holds"
+                )
             )
         ib = self._inbox
         with ib.lock:
             if not self.ready or ib.draining:
-                ib.counters.rejected[EngineNotReadyError.reason] += 1
-                raise EngineNotReadyError("the engine is draining")
+                raise self._refuse(EngineNotReadyError("the engine is draining"))
             if ib.n_waiting + len(ib.adds) >= self.config.max_queue:
-                ib.counters.rejected[QueueFullError.reason] += 1
-                raise QueueFullError(f"{ib.n_waiting} requests waiting; try again later")
+                raise self._refuse(
+                    QueueFullError(f"{ib.n_waiting} requests waiting; try again later")
+                )
             self._next_request_id += 1
             handle = RequestHandle(self._next_request_id, request, sink, tag)
             ib.adds.append(handle)
@@ -304,9 +264,9 @@ class Engine:
         if isinstance(target_free, bool) or not isinstance(target_free, int) or target_free < 0:
             raise ValueError(f"target_free must be an int >= 0, got {target_free!r}")
         command = Shrink(stream, target_free)
-        group, scheduler = self.group_info, self._scheduler
-        if group.world_size > 1 and scheduler is not None:  # whole token blocks on every rank
-            unit = scheduler.blocks_per_token_block
+        group, blocks = self.group_info, self._blocks
+        if group.world_size > 1 and blocks is not None:  # whole token blocks on every rank
+            unit = blocks.blocks_per_token_block
             command = Shrink(stream, -(-target_free // unit), in_token_blocks=True)
         return int(self._call(command, timeout))
 
@@ -351,33 +311,22 @@ class Engine:
         """A frozen snapshot of the counters and the last published step. Thread-safe."""
         ib = self._inbox
         with ib.lock:
-            c, snap = ib.counters, ib.snapshot
-            return EngineStats(
-                alive=self.alive,
-                ready=self.ready,
-                draining=ib.draining,
-                running=snap.running,
-                waiting=snap.waiting + len(ib.adds),
-                prompt_tokens_total=c.prompt_tokens,
-                generated_tokens_total=c.generated_tokens,
-                requests_finished_total=dict(c.finished),
-                rejections_total=dict(c.rejected),
-                failures_total=dict(c.failed),
-                blocks_in_use=snap.blocks_in_use,
-                kv_bytes_per_block=self.kv_bytes_per_block,
-                preemptions_total=snap.preemptions,
-                kv_layout=snap.kv_layout,
-                ragged_attention=snap.ragged_attention,
-                kv_working_bytes=snap.kv_working_bytes,
-                prefix_caching=snap.prefix_caching,
-                cached_blocks=snap.cached_blocks,
-                evictable_blocks=snap.evictable_blocks,
-                prefix_queries_total=snap.prefix_queries,
-                prefix_hits_total=snap.prefix_hits,
-                prefix_evictions_total=snap.prefix_evictions,
-                waiting_tokens=snap.waiting_tokens,
-                holds_a_request=snap.holds_a_request,
-            )
+            c, snap, queued = ib.counters, ib.snapshot, len(ib.adds)
+            counters = {
+                "prompt_tokens_total": c.prompt_tokens,
+                "generated_tokens_total": c.generated_tokens,
+                "requests_finished_total": dict(c.finished),
+                "failures_total": dict(c.failed),
+            }
+        return EngineStats.of(
+            dataclasses.replace(snap, waiting=snap.waiting + queued),
+            alive=self.alive,
+            ready=self.ready,
+            draining=self.draining,
+            rejections_total=self._refusals(),
+            kv_bytes_per_block=self.kv_bytes_per_block,
+            **counters,
+        )
 
     def view(self) -> EngineView:
         """The counters and the pool now (``/metrics``, ``/admin/pool``). Thread-safe."""

@@ -5,7 +5,7 @@ the scheduler admits what the pool holds now; prefill chunks run under a token b
 running row gets the block its next token needs (preempting the newest request when the pool is
 out); one decode step is launched; the previous step's tokens are read back (``readback``),
 turned into text and delivered, and finished requests leave with their blocks freed in a
-``finally``. Then one frozen ``Snapshot`` is published for ``/metrics`` and ``/admin``.
+``finally``. Then one frozen ``StepSnapshot`` is published for ``/metrics`` and ``/admin``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from veloxquant_mlx.engine.loop.commands import (
     Turn,
 )
 from veloxquant_mlx.engine.loop.group import Group
-from veloxquant_mlx.engine.loop.inbox import Inbox, Snapshot
+from veloxquant_mlx.engine.loop.inbox import Inbox, snapshot_of
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
 from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
@@ -204,7 +204,7 @@ class EngineCore:
                 # Alone and out of blocks: it outgrew the whole pool. As configured, that is
                 # where its completion ends (like the context end); after a shrink, the
                 # operator took the memory (capacity_reduced).
-                if sched.fits_configured(seq.n_kv + 1):
+                if sched.blocks.fits_configured(seq.n_kv + 1):
                     self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
                 else:
                     self._end(seq, "length")
@@ -326,7 +326,7 @@ class EngineCore:
         token blocks (commands.Shrink)."""
         pool = self.scheduler.pool
         if in_token_blocks:
-            target_free *= self.scheduler.blocks_per_token_block
+            target_free *= self.scheduler.blocks.blocks_per_token_block
         if self.scheduler.reset_cache():
             self._changed = True
         streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
@@ -334,9 +334,11 @@ class EngineCore:
         for s in streams:
             retired += pool.shrink(s if self.config.separate_kv else "kv", target_free)
         if retired:
-            self._holds_a_request = self.scheduler.could_ever_fit(self.config.min_request_tokens)
+            self._holds_a_request = self.scheduler.blocks.could_ever_fit(
+                self.config.min_request_tokens
+            )
             for seq in [s for s in self.scheduler.waiting]:
-                if not self.scheduler.could_ever_fit(len(seq.tokens) + 1):
+                if not self.scheduler.blocks.could_ever_fit(len(seq.tokens) + 1):
                     self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
             self._publish()  # before the caller hears back: /ready and /v1/loads show it
         return retired
@@ -357,7 +359,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         self._changed = False
-        snap = Snapshot.of(self.scheduler, self.runner, self._holds_a_request)
+        snap = snapshot_of(self.scheduler, self.runner, self._holds_a_request)
         with self.inbox.lock:
             self.inbox.snapshot = snap
             self.inbox.n_waiting = snap.waiting

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from veloxquant_mlx.engine.loop.commands import Command
 from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.types import StepSnapshot
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.runner import Runner
@@ -23,56 +24,34 @@ class Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finished: collections.Counter[str] = field(default_factory=collections.Counter)
-    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
 
 
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """What the loop publishes after each turn that changed something."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_in_use: int = 0
-    preemptions: int = 0
-    kv_layout: str = ""
-    ragged_attention: str = ""
-    kv_working_bytes: int = 0
-    prefix_caching: bool = False
-    cached_blocks: int = 0  # blocks the prefix cache holds (shared or evictable)
-    evictable_blocks: int = 0  # of them, held by no request
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of them, found cached
-    prefix_evictions: int = 0  # pages evicted
-    waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet in their KV
-    holds_a_request: bool = True  # the pool as shrunk still holds the smallest request
-
-    @classmethod
-    def of(cls, sched: Scheduler, runner: Runner, holds_a_request: bool) -> Snapshot:
-        """The engine as it is after a turn (engine thread)."""
-        cache = None if sched.cache is None else sched.cache.refresh_counts()
-        extra: dict[str, Any] = {}
-        if cache is not None:
-            extra = {
-                "prefix_caching": True,
-                "cached_blocks": cache.blocks,
-                "evictable_blocks": cache.evictable_blocks,
-                "prefix_queries": cache.queries,
-                "prefix_hits": cache.hits,
-                "prefix_evictions": cache.evictions,
-            }
-        return cls(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            blocks_in_use=sched.blocks_in_use(),
-            preemptions=sched.preemptions,
-            kv_layout=runner.kv.kind,
-            ragged_attention=runner.kv.ragged.label,
-            kv_working_bytes=runner.kv.nbytes(),
-            waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
-            holds_a_request=holds_a_request,
-            **extra,
-        )
+def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> StepSnapshot:
+    """The engine as it is after a turn (engine thread)."""
+    cache = None if sched.cache is None else sched.cache.refresh_counts()
+    extra: dict[str, Any] = {}
+    if cache is not None:
+        extra = {
+            "prefix_caching": True,
+            "cached_blocks": cache.blocks,
+            "evictable_blocks": cache.evictable_blocks,
+            "prefix_queries_total": cache.queries,
+            "prefix_hits_total": cache.hits,
+            "prefix_evictions_total": cache.evictions,
+        }
+    return StepSnapshot(
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        blocks_in_use=sched.blocks_in_use(),
+        preemptions_total=sched.preemptions,
+        kv_layout=runner.kv.kind,
+        ragged_attention=runner.kv.ragged.label,
+        kv_working_bytes=runner.kv.nbytes(),
+        waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
+        holds_a_request=holds_a_request,
+        **extra,
+    )
 
 
 class Inbox:
@@ -90,7 +69,7 @@ class Inbox:
         self.drain_deadline: float | None = None
         self.alive = False
         self.counters = Counters()
-        self.snapshot = Snapshot()
+        self.snapshot = StepSnapshot()
         self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
 
     def close(self) -> tuple[list[RequestHandle], list[tuple[Command, Future[Any]]]]:

@@ -17,6 +17,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
@@ -75,6 +76,7 @@ class Scheduler:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
         self.n_layers = n_layers
+        self.blocks = BlockMath(pool, n_layers)
         self.block_size = pool.config.block_size
         self.max_running = max_running
         self.max_queue = max_queue
@@ -83,55 +85,12 @@ class Scheduler:
         self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
         self.preemptions = 0
 
-    # ------------------------------------------------------------------ sizes
-
-    def blocks_for(self, n_tokens: int) -> int:
-        """Blocks per layer and stream for ``n_tokens`` tokens."""
-        return -(-n_tokens // self.block_size)
-
-    def _streams(self) -> tuple[str, ...]:
-        return ("k", "v") if self.pool.config.separate_kv else ("kv",)
-
-    @property
-    def blocks_per_token_block(self) -> int:
-        """Blocks of one pool stream that ``block_size`` tokens take: K or V of every layer
-        (both, when K and V share one stream)."""
-        return self.n_layers * (1 if self.pool.config.separate_kv else 2)
-
-    def could_ever_fit(self, n_tokens: int) -> bool:
-        """Whether one request of ``n_tokens`` tokens fits the pool alone, as it is now."""
-        return self._fits_totals(n_tokens, {s: self._max_total(s) for s in self._streams()})
-
-    def fits_configured(self, n_tokens: int) -> bool:
-        """Whether it fits the pool as configured (before any shrink)."""
-        cfg = self.pool.config
-        if cfg.separate_kv:
-            totals = {"k": cfg.n_blocks - cfg.n_blocks // 2, "v": cfg.n_blocks // 2}
-        else:
-            totals = {"kv": cfg.n_blocks}
-        return self._fits_totals(n_tokens, totals)
-
-    def _max_total(self, stream: str) -> int:
-        cfg = self.pool.config
-        total = self.pool.n_total(stream)
-        if cfg.grow_on_exhaustion:
-            if cfg.max_blocks is None:
-                return 1 << 62
-            return total + max(0, cfg.max_blocks - self.pool.stats.n_blocks)
-        return total
-
-    def _fits_totals(self, n_tokens: int, totals: dict[str, int]) -> bool:
-        per_stream = self.n_layers * self.blocks_for(n_tokens)
-        if not self.pool.config.separate_kv:
-            per_stream *= 2
-        return all(per_stream <= t for t in totals.values())
-
     # ------------------------------------------------------------------ blocks
 
     def grow(self, seq: Seq, n_tokens: int) -> bool:
         """Make ``seq``'s table hold ``n_tokens`` tokens in every layer; False (and nothing
         taken) if the pool cannot."""
-        need = self.blocks_for(n_tokens) - seq.n_blocks
+        need = self.blocks.blocks_for(n_tokens) - seq.n_blocks
         if need <= 0:
             return True
         per_call = need * self.n_layers
@@ -153,18 +112,14 @@ class Scheduler:
             self.max_block_id = max(self.max_block_id, max(ids))
         return True
 
-    def _per_stream(self, per_call: int) -> int:
-        """Blocks one ``allocate`` per stream of ``per_call`` blocks takes from each free list."""
-        return per_call if self.pool.config.separate_kv else 2 * per_call
-
     def _free_lists_min(self) -> int:
-        return min(self.pool.n_free(s) for s in self._streams())
+        return min(self.pool.n_free(s) for s in self.blocks.streams)
 
     def _free_now(self) -> int:
         """Free blocks per free list, counting the cached ones nobody holds (evictable)."""
         free = self._free_lists_min()
         if self.cache is not None:
-            per_page = self._per_stream(self.n_layers)
+            per_page = self.blocks.per_page
             free += self.cache.n_evictable() * per_page
         return free
 
@@ -172,10 +127,10 @@ class Scheduler:
         """Evict cached pages until the free lists hold ``per_call`` blocks per stream."""
         if self.cache is None:
             return
-        need = self._per_stream(per_call)
+        need = self.blocks.per_stream(per_call)
         short = need - self._free_lists_min()
         if short > 0:
-            per_page = self._per_stream(self.n_layers)
+            per_page = self.blocks.per_page
             self.cache.evict(-(-short // per_page))
 
     def release(self, seq: Seq) -> None:
@@ -221,15 +176,15 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             head = self.waiting[0]
             n = len(head.tokens) + 1
-            if not self.could_ever_fit(n):
+            if not self.blocks.could_ever_fit(n):
                 unservable.append(self.waiting.popleft())
                 continue
             hits = self._hits(head)
-            reserve = self._per_stream(self.n_layers * len(self.running))
-            free = self._free_now() - self._per_stream(
+            reserve = self.blocks.per_stream(self.n_layers * len(self.running))
+            free = self._free_now() - self.blocks.per_stream(
                 self.n_layers * sum(1 for p in hits if p.refs == 0)
             )
-            need = self._per_stream(self.n_layers * (self.blocks_for(n) - len(hits)))
+            need = self.blocks.per_stream(self.n_layers * (self.blocks.blocks_for(n) - len(hits)))
             if self.running and free - need < reserve:
                 break  # FIFO: nobody overtakes the head
             if not self._take(head, hits, n):

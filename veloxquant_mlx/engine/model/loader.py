@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
+from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, unbounded
 from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.pool import BlockPoolAllocator
@@ -42,26 +42,6 @@ def model_path(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The model's tokenizer alone, as ``mlx_lm.load`` makes it (no weights, no MLX arrays):
-    what the server process needs when the engine runs in a process of its own."""
-    from mlx_lm.utils import load_config
-    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
-
-    config = load_config(path)
-    return _unbounded(mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None)))
-
-
-def _unbounded(tokenizer: Any) -> Any:
-    """``tokenizer`` with no length of its own. The engine checks the context itself and
-    answers 400 (checks.py). Otherwise transformers logs "... will result in indexing errors"
-    for a long prompt. The server refuses that prompt, so the warning would only mislead."""
-    hf: Any = getattr(tokenizer, "_tokenizer", None)
-    if hasattr(hf, "model_max_length"):
-        hf.model_max_length = sys.maxsize
-    return tokenizer
-
-
 def load(
     model: str | None, cache_dir: str | None, dtype: str, group: Group | None = None
 ) -> tuple[Any, Any, str, Path]:
@@ -80,7 +60,7 @@ def load(
     path, name = model_path(model, cache_dir)
     if group is None:
         loaded = mlx_lm.load(str(path))
-        net, tokenizer = loaded[0], _unbounded(loaded[1])
+        net, tokenizer = loaded[0], unbounded(loaded[1])
     else:
         net, tokenizer = load_shard(path, group)
     target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
@@ -210,8 +190,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     scheduler = Scheduler(
         pool, geometry.n_layers_total, cfg.max_running, cfg.max_queue, cfg.prefix_caching
     )
-    if not scheduler.could_ever_fit(cfg.min_request_tokens):
-        per_request = 2 * scheduler.n_layers * scheduler.blocks_for(cfg.min_request_tokens)
+    if not scheduler.blocks.could_ever_fit(cfg.min_request_tokens):
+        per_request = 2 * scheduler.n_layers * scheduler.blocks.blocks_for(cfg.min_request_tokens)
         raise ValueError(
             f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
             f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "

@@ -1,0 +1,151 @@
+"""What every host of the engine shares: the load handshake, the ``EngineInfo`` it ends with, the
+caller-side tools made from the tokenizer, the checks made at submit, and the stats assembled
+from the engine's snapshot. A host differs from another only in how it reaches the engine loop
+(a thread's inbox, a child process's pipe)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from pathlib import Path
+from typing import Any
+
+from veloxquant_mlx.engine.model.tokenizer import load_tokenizer
+from veloxquant_mlx.engine.request.checks import static_problem
+from veloxquant_mlx.engine.request.detokenize import token_bytes_table
+from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
+from veloxquant_mlx.engine.types import (
+    EngineError,
+    EngineInfo,
+    EngineNotReadyError,
+    GenerationRequest,
+    GroupInfo,
+    InvalidRequestError,
+)
+
+
+class HostBase:
+    """The host's side of the engine's identity and readiness.
+
+    Owns ``info`` (set once, when the engine is ready; read-only afterwards), the tokenizer the
+    routes template and tokenize with, its byte table and the ``GrammarCompiler`` (None when
+    the tokenizer cannot be constrained), and ``_refused`` (refusals decided here, by reason;
+    guarded by ``_refused_lock``). Subclasses say whether the engine is ``alive`` and
+    ``draining``.
+    """
+
+    def __init__(self) -> None:
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.token_bytes: list[bytes] | None = None
+        self.grammars: GrammarCompiler | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._refused: collections.Counter[str] = collections.Counter()
+        self._refused_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def draining(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._load_error is None and self.alive
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the engine has loaded. Raises its load error, or TimeoutError."""
+        if not self._ready.wait(timeout):
+            if self._load_error is not None:
+                raise self._load_error
+            raise TimeoutError("engine not ready in time")
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _loaded(self, info: EngineInfo, tokenizer: Any = None) -> None:
+        """The engine is ready: keep its ``info`` and make the tokenizer-side tools (loading
+        the tokenizer from ``info.model_path`` when none is given). Raises what loading the
+        tokenizer raises; ``wait_ready`` stays blocked until ``_ready`` is set."""
+        if tokenizer is None:
+            tokenizer = load_tokenizer(Path(info.model_path))
+        self.token_bytes = token_bytes_table(tokenizer)
+        ll_tokenizer = grammar_tokenizer(tokenizer, info.vocab_size)
+        self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def _stop_tools(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
+
+    # ------------------------------------------------------------------ what info says
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name if self.info else ""
+
+    @property
+    def model_path(self) -> str:
+        return self.info.model_path if self.info else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size if self.info else 0
+
+    @property
+    def context_window(self) -> int | None:
+        return self.info.context_window if self.info else None
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.info.kv_bytes_per_block if self.info else 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose K and V take pool blocks: a token block is ``2 * kv_layers`` blocks."""
+        return self.info.kv_layers if self.info else 0
+
+    @property
+    def blas(self) -> str:
+        return self.info.blas if self.info else "unknown"
+
+    @property
+    def device(self) -> str:
+        return self.info.device if self.info else "unknown"
+
+    @property
+    def group_info(self) -> GroupInfo:
+        return self.info.group if self.info else GroupInfo()
+
+    # ------------------------------------------------------------------ submit's checks
+
+    def _refuse(self, error: EngineError) -> EngineError:
+        """Count ``error`` as a refusal (``rejections_total``) and return it to raise."""
+        with self._refused_lock:
+            self._refused[error.reason] += 1
+        return error
+
+    def _refusals(self) -> dict[str, int]:
+        with self._refused_lock:
+            return dict(self._refused)
+
+    def _check(self, request: GenerationRequest) -> None:
+        """What the engine relies on and the model's static facts decide, on the caller's
+        thread: running, not draining, the vocabulary and context window, a compiled grammar.
+
+        Raises:
+            EngineNotReadyError, InvalidRequestError, RequestTooLargeError.
+        """
+        if not self.ready or self.draining:
+            why = "the engine is draining" if self.draining else "the engine is not running"
+            raise self._refuse(EngineNotReadyError(why))
+        problem = static_problem(request, self.vocab_size, self.context_window)
+        if problem is not None:
+            raise self._refuse(problem)
+        if request.grammar is not None and self.grammars is None:
+            raise self._refuse(InvalidRequestError("this model's output cannot be constrained"))
