@@ -2,8 +2,9 @@
 
 The scheduler (pure Python) and the paged layout's table mirror are driven the way the engine
 core drives them, without a model: requests arrive, get admitted, "step" (each running request
-needs room for one more token, preempting the newest when the pool is out, as the core's
-``_make_room`` does), finish, get cancelled while queued, or are preempted. After every rule:
+needs room for one more token, preempting the newest when the pool is out, as
+``Scheduler.make_room`` decides), finish, get cancelled while queued, or are preempted. After
+every rule:
 
 - every running request holds, per layer and stream, the blocks its KV fills and at most the
   one its next token goes to: ``ceil(n_kv / bs) <= blocks <= ceil(tokens / bs)`` (``tokens``:
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.conftest import assert_pool_all_free
-from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq, StepPlan
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 from veloxquant_mlx.kv.paged import PagedKV
@@ -72,33 +73,26 @@ class Tables(RuleBasedStateMachine):
         assert not unservable  # nothing shrinks here: everything offered fits alone
         for seq in admitted:
             seq.n_kv = len(seq.tokens)  # prefilled at once, and its first token sampled
+            seq.decoding = True
             seq.tokens.append(7)
             self._join(seq)
 
     @precondition(lambda self: self.sched.running)
     @rule()
     def step(self) -> None:
-        for seq in list(self.sched.running):
-            if seq not in self.sched.running:
-                continue  # preempted by an older row this step
-            while True:
-                before = seq.n_blocks
-                if self.sched.grow(seq, seq.n_kv + 1):
-                    if seq.n_blocks != before:
-                        self.kv.set_table(self.rows.index(seq), seq.table, before)
-                    seq.n_kv += 1
-                    seq.tokens.append(7)
-                    break
-                victim = self.sched.victim()
-                if victim is seq and len(self.sched.running) == 1:
-                    self._leave(seq)
-                    self.sched.finish(seq)  # outgrew the whole pool: "length"
-                    break
-                self._leave(victim)
-                self.sched.preempt(victim)
-                assert victim.table == [] and victim.n_kv == 0
-                if victim is seq:
-                    break
+        plan = StepPlan()
+        self.sched.make_room(plan)  # the engine's rule: the newest preempted while out
+        for victim in plan.preempted:
+            self._leave(victim)
+            assert victim.table == [] and victim.n_kv == 0 and not victim.decoding
+        for seq, _ in plan.outgrown:  # outgrew the whole pool: "length"
+            self._leave(seq)
+            self.sched.finish(seq)
+        for seq, before in plan.grown:
+            self.kv.set_table(self.rows.index(seq), seq.table, before)
+        self.sched.decoded(self.rows)
+        for seq in self.sched.running:
+            seq.tokens.append(7)
 
     @precondition(lambda self: self.sched.running)
     @rule(data=st.data())

@@ -232,7 +232,7 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_
         wait_ready(base)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         engine_pid = next(
-            int(c) for c in children if "engine.process" in Path(f"/proc/{c}/cmdline").read_text()
+            int(c) for c in children if "hosts.child" in Path(f"/proc/{c}/cmdline").read_text()
         )
         results: list[httpx.Response] = []
         started = threading.Barrier(3)

@@ -156,20 +156,34 @@ class EngineCore:
         return False
 
     def _turn(self) -> None:
+        """One step: the scheduler's plan, carried out (schedule -> run -> deliver)."""
         sched, runner = self.scheduler, self.runner
-        admitted, unservable = sched.admit()
-        for seq in unservable:
+        plan = sched.schedule()
+        for seq in plan.unservable:
             self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
-        for seq in admitted:
+        for seq, configured in plan.outgrown:
+            # Alone and out of blocks: as configured, that is where its completion ends (like
+            # the context end); after a shrink, the operator took the memory.
+            if configured:
+                self._end(seq, "length")
+            else:
+                self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
+        for seq in plan.admitted:
             self._changed = True
             if seq.out is None:
                 self._start(seq)
-        pending = [s for s in sched.running if s.state is not None and not s.state.joined]
-        results = runner.prefill_within(pending, self.config.prefill_budget)
-        for row in list(runner.rows):
-            if row is not None and row.state.joined:  # not preempted meanwhile
-                self._make_room(row)
+        for seq in plan.preempted:
+            log.info("preempted request %d (pool full); it will be recomputed", seq.request_id)
+            runner.remove(seq)
+            self._changed = True
+        for seq, before in plan.grown:
+            runner.grew(seq, before)
+        started = set(self._live.values())  # a request whose setup failed has ended
+        plan.together = [s for s in plan.together if s in started]
+        plan.chunks = [c for c in plan.chunks if c.seq in started]
+        results = runner.prefill(plan)
         launched = runner.step(sched.max_block_id) if runner.rows else None
+        sched.decoded(runner.rows)
         if launched is not None:
             if self._launch_after and self._inflight:
                 # Built while the previous step ran; launched once MLX has let go of that
@@ -185,40 +199,10 @@ class EngineCore:
             runner.flush()
         if self._faulted:
             self._faulted.clear()
-            for seq in [s for s in list(self._live.values()) if s.state is not None]:
-                if seq.state.fault.error is not None:
-                    self._end(seq, "error", seq.state.fault.error, REQUEST_FAILED)
-
-    def _make_room(self, seq: Seq) -> None:
-        """Give ``seq`` the block its next token needs, preempting newer requests if the pool is
-        out; a request that outgrows the whole pool alone ends with "length"."""
-        sched = self.scheduler
-        while True:
-            before = seq.n_blocks
-            if sched.grow(seq, seq.n_kv + 1):
-                if seq.n_blocks != before:
-                    self.runner.grew(seq, before)
-                return
-            victim = sched.victim()
-            if victim is seq and len(sched.running) == 1:
-                # Alone and out of blocks: it outgrew the whole pool. As configured, that is
-                # where its completion ends (like the context end); after a shrink, the
-                # operator took the memory (capacity_reduced).
-                if sched.blocks.fits_configured(seq.n_kv + 1):
-                    self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
-                else:
-                    self._end(seq, "length")
-                return
-            self._preempt(victim)
-            if victim is seq:
-                return
-
-    def _preempt(self, seq: Seq) -> None:
-        log.info("preempting request %d (pool full); it will be recomputed", seq.request_id)
-        self._cache_row(seq)  # what it computed stays (evictable): its return may hit it
-        self.runner.remove(seq)
-        self.scheduler.preempt(seq)
-        self._changed = True
+            for seq in list(self._live.values()):
+                error = None if seq.state is None else seq.state.fault.error
+                if error is not None:
+                    self._end(seq, "error", error, REQUEST_FAILED)
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -233,10 +217,9 @@ class EngineCore:
         pages out of its working set stops MLX from updating that set in place, which cost
         37% of the throughput at 128 clients on the H200 (BENCHMARKS.md, "Prefix caching");
         there the next turn hits through the previous prompt, and prefills the answer."""
-        state: RowState | None = seq.state
-        if self.scheduler.cache is None or state is None or not state.joined:
+        if self.scheduler.cache is None or not seq.decoding:
             return
-        if self.runner.kv.keeps_pages:
+        if self.scheduler.keeps_pages:
             self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     def reset_prefix_cache(self) -> int:

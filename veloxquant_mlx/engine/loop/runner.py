@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from veloxquant_mlx.engine.loop.scheduler import Seq
+from veloxquant_mlx.engine.loop.scheduler import Chunk, Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.kv.layout import KVLayout
 from veloxquant_mlx.kv.step import StepCache
@@ -63,6 +63,18 @@ class RowState:
         self.joined = False  # in the batch (prefill done)
 
 
+def row_state(seq: Seq) -> RowState:
+    """``seq``'s MLX side (made when it was admitted)."""
+    assert seq.state is not None, "a row without its state"
+    return seq.state
+
+
+def _next_input(seq: Seq) -> mx.array:
+    token = row_state(seq).next_input
+    assert token is not None, "a row in the batch without its next token"
+    return token
+
+
 @dataclass(slots=True)
 class Sampled:
     """Tokens sampled for some rows, not yet read back (one step, or one prefill)."""
@@ -78,13 +90,12 @@ class Runner:
     Args:
         model: The mlx_lm model.
         kv: The layout the rows' KV lives in.
-        prefill_step: Tokens per prefill chunk.
+        block_size: Tokens per pool block (a cached page).
     """
 
-    def __init__(self, model: Any, kv: KVLayout, prefill_step: int, block_size: int = 16) -> None:
+    def __init__(self, model: Any, kv: KVLayout, block_size: int = 16) -> None:
         self.model = model
         self.kv = kv
-        self.prefill_step = prefill_step
         self.block_size = block_size
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
@@ -95,73 +106,45 @@ class Runner:
 
     # ------------------------------------------------------------------ prefill
 
-    def prefill(self, seq: Seq, budget: int) -> tuple[int, Sampled | None]:
-        """Run up to ``budget`` prompt tokens of ``seq`` (at least one chunk's worth of work).
-
-        Returns:
-            (tokens processed, the first sampled token once the whole prompt is in, else None).
-            When done, the row has joined the batch.
-        """
-        state: RowState = seq.state
-        if state.caches is None:
-            state.caches = self._start_caches(seq)
-        tokens = seq.tokens
-        n = min(len(tokens) - seq.n_kv, max(1, min(budget, self.prefill_step)))
-        chunk = mx.array([tokens[seq.n_kv : seq.n_kv + n]])
-        logits = self.model(chunk, cache=state.caches)
-        seq.n_kv += n
-        if seq.n_kv < len(tokens):  # the next chunk builds on these: start them now
-            mx.async_eval([(c.keys, c.values) for c in state.caches])
-            return n, None
-        state.context = TokenBuffer(tokens) if state.processors else None
-        context = mx.array(tokens, dtype=mx.int32) if state.processors else None
-        sampled = self._sample([seq], logits[:, -1, :], [context])  # type: ignore[list-item]
-        self._join(seq)
-        state.next_input = sampled.tokens
-        mx.async_eval(sampled.tokens)
-        return n, sampled
-
-    def prefill_within(self, pending: list[Seq], budget: int) -> list[Sampled]:
-        """Prefill ``pending`` rows (admitted, not joined; oldest first) under a token budget
-        for this turn: whole short prompts that arrived together in one padded forward, the
-        rest a chunk at a time, a prompt that one chunk holds only whole. Returns the first
-        tokens of the rows that joined."""
-        results: list[Sampled] = []
-        fresh: list[Seq] = []
-        width = 0
-        for s in pending:
-            n = len(s.tokens)
-            if s.state.caches is None and s.n_kv == 0 and n <= self.prefill_step:
-                if max(width, n) * (len(fresh) + 1) > budget:
-                    break
-                fresh.append(s)
-                width = max(width, n)
-        if len(fresh) > 1:
-            results.append(self.prefill_together(fresh))
-            budget -= width * len(fresh)
-            pending = [s for s in pending if s not in fresh]
-        spent = bool(results)  # the burst's forward ran
-        for seq in pending:
-            if budget <= 0:
-                break
-            if spent and budget < min(len(seq.tokens) - seq.n_kv, self.prefill_step):
-                # A forward costs the host about the same whatever its width (its kernel
-                # launches): a prompt the budget left cannot finish waits for the next turn,
-                # where it goes in whole, rather than go in as two forwards.
-                continue
-            n, first = self.prefill(seq, budget)
-            budget -= n
-            spent = True
+    def prefill(self, plan: StepPlan) -> list[Sampled]:
+        """Run the plan's prefills: ``together`` in one padded forward, then each chunk.
+        Returns the first tokens of the rows that joined the batch."""
+        results = [self.prefill_together(plan.together)] if plan.together else []
+        for chunk in plan.chunks:
+            first = self.prefill_chunk(chunk)
             if first is not None:
                 results.append(first)
         return results
 
-    def _start_caches(self, seq: Seq) -> list[KVCache]:
-        """Fresh prefill caches, holding the KV of the cached pages ``seq`` starts with (its
-        ``n_kv`` tokens, set at admission)."""
+    def prefill_chunk(self, chunk: Chunk) -> Sampled | None:
+        """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
+        sample the first token and join the batch (that token's ``Sampled``), else None."""
+        seq = chunk.seq
+        state = seq.state
+        assert state is not None
+        if state.caches is None:
+            state.caches = self._start_caches(seq, chunk.start)
+        tokens = seq.tokens
+        logits = self.model(
+            mx.array([tokens[chunk.start : chunk.start + chunk.n]]), cache=state.caches
+        )
+        if not chunk.completes:  # the next chunk builds on these: start them now
+            mx.async_eval([(c.keys, c.values) for c in state.caches])
+            return None
+        state.context = TokenBuffer(tokens) if state.processors else None
+        context = mx.array(tokens, dtype=mx.int32) if state.processors else None
+        sampled = self._sample([seq], logits[:, -1, :], [context])
+        self._join(seq)
+        state.next_input = sampled.tokens
+        mx.async_eval(sampled.tokens)
+        return sampled
+
+    def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
+        """Fresh prefill caches, holding the KV of the ``n_cached`` tokens of cached pages
+        ``seq`` starts with (found at admission)."""
         caches = [KVCache() for _ in range(self._n_layers)]
-        if seq.n_kv:
-            layers = self.kv.read_pages(seq.pages.held[: seq.n_kv // self.block_size])
+        if n_cached:
+            layers = self.kv.read_pages(seq.pages.held[: n_cached // self.block_size])
             for cache, (k, v) in zip(caches, layers, strict=True):
                 cache.keys, cache.values, cache.offset = k, v, k.shape[2]
         return caches
@@ -176,11 +159,10 @@ class Runner:
         tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         logits = self.model(tokens, cache=caches)[:, -1, :]
-        contexts = [mx.array(s.tokens) if s.state.processors else None for s in seqs]
+        contexts = [mx.array(s.tokens) if row_state(s).processors else None for s in seqs]
         sampled = self._sample(list(seqs), logits, contexts)
         for i, seq in enumerate(seqs):
-            state: RowState = seq.state
-            seq.n_kv = lengths[i]
+            state = row_state(seq)
             state.context = TokenBuffer(seq.tokens) if state.processors else None
             p = padding[i]
             rows = [
@@ -192,7 +174,7 @@ class Runner:
         return sampled
 
     def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
-        state: RowState = seq.state
+        state = row_state(seq)
         if layers is None:
             caches: list[Any] = state.caches or []
             layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
@@ -251,7 +233,7 @@ class Runner:
         else:  # a hole (a row that left) feeds token 0 at position 0 of its own slot
             hole = mx.zeros((1,), dtype=mx.uint32)
             inputs = mx.concatenate(
-                [hole if s is None else s.state.next_input.astype(mx.uint32) for s in rows]
+                [hole if s is None else _next_input(s).astype(mx.uint32) for s in rows]
             )
         batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
@@ -260,8 +242,6 @@ class Runner:
         contexts: list[mx.array | None] = []
         for i, seq in enumerate(rows):
             state: RowState | None = None if seq is None else seq.state
-            if seq is not None:
-                seq.n_kv += 1
             if state is not None and state.processors:
                 assert state.context is not None
                 contexts.append(state.context.update_and_fetch(inputs[i : i + 1]))
@@ -270,7 +250,7 @@ class Runner:
         sampled = self._sample(rows, logits, contexts)
         for i, seq in enumerate(rows):
             if seq is not None:
-                seq.state.next_input = sampled.tokens[i : i + 1]
+                row_state(seq).next_input = sampled.tokens[i : i + 1]
         self._last = sampled
         return sampled
 
@@ -297,24 +277,24 @@ class Runner:
         self, seqs: list[Seq | None], logits: mx.array, contexts: list[mx.array | None]
     ) -> Sampled:
         live = [s for s in seqs if s is not None]
-        if any(s.state.processors for s in live):
+        states = [None if s is None else row_state(s) for s in seqs]
+        if any(st.processors for st in states if st is not None):
             parts = []
-            for i, seq in enumerate(seqs):
+            for i, st in enumerate(states):
                 row = logits[i : i + 1]
-                context = contexts[i]
-                for processor in () if seq is None else seq.state.processors:
-                    row = processor(context, row)
+                for processor in () if st is None else st.processors:
+                    row = processor(contexts[i], row)  # type: ignore[arg-type]
                 parts.append(row)
             logits = mx.concatenate(parts)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-        if any(s.state.sampler is not None for s in live):
+        if any(st is not None and st.sampler is not None for st in states):
             tokens = mx.concatenate(
                 [
                     tokens[i : i + 1]
-                    if s is None or s.state.sampler is None
-                    else s.state.sampler(logprobs[i : i + 1]).astype(mx.uint32)
-                    for i, s in enumerate(seqs)
+                    if st is None or st.sampler is None
+                    else st.sampler(logprobs[i : i + 1]).astype(mx.uint32)
+                    for i, st in enumerate(states)
                 ]
             )
         wants = any(s.handle.request.logprobs for s in live)

@@ -1,13 +1,15 @@
-"""Who runs and who waits: admission against the pool, block tables, preemption. No MLX.
+"""Who runs and who waits, and what each step does: admission against the pool, block tables,
+preemption, the prefill budget. Every scheduling decision is made here (``schedule``); the
+runner executes the plan and the core delivers. No MLX.
 
 A request holds, per layer and stream, the blocks its tokens fill and no more: ``2 * n_layers *
-ceil(tokens / block_size)`` blocks, whatever it is batched with. It is admitted when the pool can
-hold its prompt now (``max_tokens`` is not reserved); it gets one more block per layer and
-stream when its tokens fill the last one. When the pool runs out mid-decode, the newest running
-request is preempted: its blocks go back, it returns to the head of the queue, and later its
-prompt and the tokens it has generated are prefilled again (vLLM's recompute policy), so no
-running request ever fails for lack of memory and nobody's budget is held hostage by a
-``max_tokens`` that is rarely used.
+ceil(tokens / block_size)`` blocks, whatever it is batched with (``blocks.BlockMath``). It is
+admitted when the pool can hold its prompt now (``max_tokens`` is not reserved); it gets one
+more block per layer and stream when its tokens fill the last one. When the pool runs out
+mid-decode, the newest running request is preempted: its blocks go back, it returns to the head
+of the queue, and later its prompt and the tokens it has generated are prefilled again (vLLM's
+recompute policy), so no running request ever fails for lack of memory and nobody's budget is
+held hostage by a ``max_tokens`` that is rarely used.
 """
 
 from __future__ import annotations
@@ -15,23 +17,31 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.runner import RowState
+    from veloxquant_mlx.engine.request.running import Running
+
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
 
 
 @dataclass(eq=False, slots=True)
 class Seq:
-    """One request's tokens and block table. Owned by the scheduler; the runner reads it.
+    """One request's tokens and block table. Each part has one writer:
 
-    ``table[2 * layer]`` lists the K block ids of ``layer`` in position order, ``[2 * layer +
-    1]`` its V blocks. ``tokens`` is the prompt then every generated token; ``n_kv`` how many of
-    them have KV written (or in flight).
+    - the scheduler: ``table`` (``table[2 * layer]`` lists the K block ids of ``layer`` in
+      position order, ``[2 * layer + 1]`` its V blocks), ``n_kv`` (how many tokens have KV
+      written or planned), ``decoding`` (its prompt is in: it is a row of the decode batch),
+      ``pages`` and ``preemptions``;
+    - the core's read-back: ``tokens`` (the prompt, then every generated token) and ``out``
+      (its output state: detokenizer, stops, counts);
+    - the runner: ``state`` (its MLX side: sampler, processors, prefill caches).
     """
 
     handle: RequestHandle
@@ -39,10 +49,11 @@ class Seq:
     n_prompt: int
     table: list[list[int]] = field(default_factory=list)
     n_kv: int = 0
+    decoding: bool = False
     preemptions: int = 0
-    state: Any = None  # the runner's per-request MLX state (sampler, processors, prefill)
+    state: RowState | None = None
     pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
-    out: Any = None  # the core's per-request output state (detokenizer, stops, counts)
+    out: Running | None = None
 
     @property
     def request_id(self) -> int:
@@ -56,6 +67,38 @@ class Seq:
     def n_blocks(self) -> int:
         """Blocks per layer and stream."""
         return len(self.table[0]) if self.table else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """``n`` prompt tokens of ``seq`` from position ``start``, in one forward."""
+
+    seq: Seq
+    start: int
+    n: int
+
+    @property
+    def completes(self) -> bool:
+        """The prompt is all in after it: the row joins the decode batch."""
+        return self.start + self.n == len(self.seq.tokens)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step does, decided by ``Scheduler.schedule``; the core carries it out in this
+    order: end ``unservable`` and ``outgrown``, start ``admitted``, take ``preempted`` out of the
+    batch, mirror ``grown`` tables, prefill ``together`` (one padded forward) and ``chunks``,
+    then decode every row of the batch."""
+
+    admitted: list[Seq] = field(default_factory=list)
+    unservable: list[Seq] = field(default_factory=list)  # a shrink made them too large
+    preempted: list[Seq] = field(default_factory=list)  # back in the queue, blocks freed
+    # Alone and out of blocks: it outgrew the whole pool (True: as configured, so its
+    # completion ends there, "length"; False: after a shrink, capacity_reduced).
+    outgrown: list[tuple[Seq, bool]] = field(default_factory=list)
+    grown: list[tuple[Seq, int]] = field(default_factory=list)  # (seq, blocks it had)
+    together: list[Seq] = field(default_factory=list)  # short fresh prompts, one forward
+    chunks: list[Chunk] = field(default_factory=list)
 
 
 class Scheduler:
@@ -72,6 +115,10 @@ class Scheduler:
         max_running: int,
         max_queue: int,
         prefix_caching: bool = False,
+        *,
+        prefill_step: int = 512,
+        prefill_budget: int = 2048,
+        keeps_pages: bool = False,
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
@@ -80,6 +127,11 @@ class Scheduler:
         self.block_size = pool.config.block_size
         self.max_running = max_running
         self.max_queue = max_queue
+        self.prefill_step = prefill_step  # prompt tokens per forward at most
+        self.prefill_budget = prefill_budget  # prompt tokens per step at most
+        # The layout keeps a page's KV in its blocks: a preempted row's generated pages are
+        # cached as they are (the dense layout would have to copy them out: it does not).
+        self.keeps_pages = keeps_pages
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
         self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
@@ -143,6 +195,7 @@ class Scheduler:
         self.pool.free_all(seq.request_id)
         seq.table = []
         seq.n_kv = 0
+        seq.decoding = False
 
     def register(self, seq: Seq, n_tokens: int, kv_of: Any) -> None:
         """Cache ``seq``'s full pages among its first ``n_tokens`` tokens (their KV written);
@@ -230,12 +283,95 @@ class Scheduler:
         return self.running[-1]
 
     def preempt(self, seq: Seq) -> None:
-        """Free ``seq``'s blocks and put it back at the head of the queue."""
+        """Free ``seq``'s blocks and put it back at the head of the queue. What it computed
+        stays cached (evictable) where the layout keeps pages in their blocks: its return may
+        hit it."""
+        if self.keeps_pages and seq.decoding:
+            self.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
         self.running.remove(seq)
         self.release(seq)
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ the plan
+
+    def schedule(self) -> StepPlan:
+        """Decide this step: admit, make room for every decoding row's next token
+        (preempting the newest requests while the pool is out), then spend the prefill budget.
+        Writes the planned ``n_kv`` of the prefilled requests; ``decoded`` advances the
+        decoding rows' once the step is built."""
+        plan = StepPlan()
+        plan.admitted, plan.unservable = self.admit()
+        self.make_room(plan)
+        self._plan_prefill(plan)
+        return plan
+
+    def decoded(self, rows: list[Seq | None]) -> None:
+        """The step over ``rows`` (the batch's, holes as None) is built: each row's KV now
+        holds (or will, when it runs) one more token."""
+        for seq in rows:
+            if seq is not None:
+                seq.n_kv += 1
+
+    def make_room(self, plan: StepPlan) -> None:
+        """Give each decoding row (oldest first) the block its next token needs; while the pool
+        is out, preempt the newest running request. A request that outgrows the whole pool
+        alone goes to ``plan.outgrown``."""
+        for seq in [s for s in self.running if s.decoding]:
+            while seq in self.running:
+                before = seq.n_blocks
+                if self.grow(seq, seq.n_kv + 1):
+                    if seq.n_blocks != before:
+                        plan.grown.append((seq, before))
+                    break
+                victim = self.victim()
+                if victim is seq and len(self.running) == 1:
+                    configured = not self.blocks.fits_configured(seq.n_kv + 1)
+                    plan.outgrown.append((seq, configured))
+                    break
+                self.preempt(victim)
+                plan.preempted.append(victim)
+
+    def _plan_prefill(self, plan: StepPlan) -> None:
+        """Spend ``prefill_budget`` prompt tokens on the admitted rows not yet decoding, oldest
+        first: whole short prompts that have not started, together in one padded forward;
+        the rest a chunk at a time, a prompt that one chunk holds only whole (a forward costs
+        the host about the same whatever its width: a prompt the budget left cannot finish
+        waits for the next step, where it goes in whole, rather than go in as two forwards)."""
+        budget, step = self.prefill_budget, self.prefill_step
+        pending = [s for s in self.running if not s.decoding]
+        fresh: list[Seq] = []
+        width = 0
+        for seq in pending:
+            n = len(seq.tokens)
+            if seq.n_kv == 0 and n <= step:
+                if max(width, n) * (len(fresh) + 1) > budget:
+                    break
+                fresh.append(seq)
+                width = max(width, n)
+        if len(fresh) > 1:
+            plan.together = fresh
+            budget -= width * len(fresh)
+            for seq in fresh:
+                seq.n_kv, seq.decoding = len(seq.tokens), True
+            pending = [s for s in pending if s not in fresh]
+        spent = bool(plan.together)
+        for seq in pending:
+            if budget <= 0:
+                break
+            left = len(seq.tokens) - seq.n_kv
+            if spent and budget < min(left, step):
+                continue
+            chunk = Chunk(seq, seq.n_kv, min(left, max(1, min(budget, step))))
+            plan.chunks.append(chunk)
+            seq.n_kv += chunk.n
+            seq.decoding = chunk.completes
+            budget -= chunk.n
+            spent = True
+        for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
+            # Admission took blocks for the prompt and the first token: nothing to grow.
+            assert seq.n_blocks >= self.blocks.blocks_for(seq.n_kv + 1), "a row joins short"
 
     def finish(self, seq: Seq) -> None:
         """Take ``seq`` out (running or waiting) and free its blocks."""

@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
@@ -187,11 +188,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     pool = BlockPoolAllocator(sizing)
     per_block = geometry.bytes_per_block(cfg.block_size)
     n_blocks = pool.stats.n_blocks
-    scheduler = Scheduler(
-        pool, geometry.n_layers_total, cfg.max_running, cfg.max_queue, cfg.prefix_caching
-    )
-    if not scheduler.blocks.could_ever_fit(cfg.min_request_tokens):
-        per_request = 2 * scheduler.n_layers * scheduler.blocks.blocks_for(cfg.min_request_tokens)
+    blocks = BlockMath(pool, geometry.n_layers_total)
+    if not blocks.could_ever_fit(cfg.min_request_tokens):
+        per_request = 2 * blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens)
         raise ValueError(
             f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
             f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "
@@ -204,7 +203,17 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)
         attention.install(model)
     kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused)
-    runner = Runner(model, kv, cfg.prefill_step, cfg.block_size)
+    runner = Runner(model, kv, cfg.block_size)
+    scheduler = Scheduler(
+        pool,
+        geometry.n_layers_total,
+        cfg.max_running,
+        cfg.max_queue,
+        cfg.prefix_caching,
+        prefill_step=cfg.prefill_step,
+        prefill_budget=cfg.prefill_budget,
+        keeps_pages=kv.keeps_pages,
+    )
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
