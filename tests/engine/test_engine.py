@@ -395,7 +395,7 @@ def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
     from veloxquant_mlx.engine.request.running import Running
 
     handle = RequestHandle(1, request([1, 2, 3]))
-    run = Running(handle, detokenizer=None, end=8, fault=RequestFault(1, []))  # type: ignore[arg-type]
+    run = Running(handle, detokenizer=None, fault=RequestFault(1, []))  # type: ignore[arg-type]
 
     def make(t: float) -> TokenEvent:
         event = TokenEvent(0, "x", t)

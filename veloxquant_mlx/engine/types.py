@@ -82,16 +82,19 @@ class SamplingParams:
     # clients) are taken modulo 2**64.
     SEED_MIN: ClassVar[int] = -(2**63)
     SEED_MAX: ClassVar[int] = 2**64 - 1
+    # The API's bounds (server/schemas.py reads them): one range at the edge and here.
+    TEMPERATURE_MAX: ClassVar[float] = 2.0
+    REPETITION_PENALTY_MAX: ClassVar[float] = 10.0
 
     def __post_init__(self) -> None:
         checks = (
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
-            ("temperature", 0.0 <= self.temperature <= 100.0),
+            ("temperature", 0.0 <= self.temperature <= self.TEMPERATURE_MAX),
             ("top_p", 0.0 < self.top_p <= 1.0),
             ("top_k", self.top_k >= 0),
             ("min_p", 0.0 <= self.min_p <= 1.0),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 100.0),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= self.REPETITION_PENALTY_MAX),
             ("seed", self.seed is None or self.SEED_MIN <= self.seed <= self.SEED_MAX),
         )
         for name, ok in checks:

@@ -47,11 +47,13 @@ class _Sampling(BaseModel):
 
     model: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # None: served one
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
-    temperature: Annotated[Finite, Field(ge=0.0, le=2.0)] | None = None
+    temperature: Annotated[Finite, Field(ge=0.0, le=SamplingParams.TEMPERATURE_MAX)] | None = None
     top_p: Annotated[Finite, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=100_000)] | None = None  # -1: off (vLLM)
     min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[Finite, Field(gt=0.0, le=10.0)] | None = None
+    repetition_penalty: (
+        Annotated[Finite, Field(gt=0.0, le=SamplingParams.REPETITION_PENALTY_MAX)] | None
+    ) = None
     presence_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Finite, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: (

@@ -60,25 +60,10 @@ def check_model(st: AppState, model: str | None) -> None:
         )
 
 
-def sampling(body: CompletionRequest | ChatCompletionRequest, vocab: int) -> SamplingParams:
-    """The engine's sampling values; what the model's vocabulary bounds is checked here."""
-    bias: list[tuple[int, float]] = []
-    for key, value in (body.logit_bias or {}).items():  # keys: decimal ASCII (schemas)
-        if int(key) >= vocab:
-            raise APIError(
-                400,
-                f"logit_bias keys must be token ids below {vocab}",
-                code="invalid_value",
-                param="logit_bias",
-            )
-        bias.append((int(key), value))
-    if body.top_k is not None and body.top_k >= vocab:
-        raise APIError(
-            400,
-            f"top_k must be below the vocabulary size {vocab} (0 or -1: off)",
-            code="invalid_value",
-            param="top_k",
-        )
+def sampling(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The engine's sampling values (what the vocabulary bounds, the engine checks at submit:
+    ``request.checks``)."""
+    bias = [(int(key), value) for key, value in (body.logit_bias or {}).items()]
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -110,11 +95,6 @@ def submit(
         )
     if not prompt:
         raise APIError(400, "the prompt must not be empty", code="invalid_value", param="prompt")
-    vocab = st.engine.vocab_size
-    if any(t >= vocab for t in prompt):
-        raise APIError(
-            400, f"token ids must be below {vocab}", code="invalid_value", param="prompt"
-        )
     window = st.engine.context_window
     if max_tokens is None:  # to EOS or the context end, as OpenAI clients expect
         max_tokens = st.settings.default_max_tokens or NO_WINDOW_MAX_TOKENS
@@ -130,7 +110,7 @@ def submit(
                 code="context_length_exceeded",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             )
-    params = sampling(body, vocab)
+    params = sampling(body)
     if seed_offset and params.seed is not None:  # choice k of n: its own stream of draws
         params = dataclasses.replace(params, seed=(params.seed + seed_offset) % 2**64)
     request = GenerationRequest(

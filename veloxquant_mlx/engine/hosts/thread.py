@@ -26,6 +26,7 @@ from veloxquant_mlx.engine.loop.core import EngineCore, Parts
 from veloxquant_mlx.engine.loop.inbox import Inbox
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.model import loader
+from veloxquant_mlx.engine.request.checks import score_problem
 from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.request.handle import EventSink, RequestHandle
@@ -287,15 +288,9 @@ class Engine(HostBase):
             InvalidRequestError: Token ids outside the vocabulary, or over the context window.
             EngineNotReadyError: If the engine is down.
         """
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})", "prompt")
-        window = self.context_window
-        if window is not None and len(prompt) > window:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {window} tokens. However, the prompt "
-                f"is {len(prompt)} tokens.",
-                "prompt",
-            )
+        problem = score_problem(tuple(prompt), self.vocab_size, self.context_window)
+        if problem is not None:
+            raise problem
         return list(self._call(Score(tuple(prompt), top), timeout))
 
     def group_pools(self, timeout: float = 30.0) -> list[list[int]]:

@@ -59,11 +59,10 @@ class Turn:
     commands: tuple[Command, ...] = ()
     draining: bool = False
     drain_expired: bool = False  # the drain deadline has passed: fail what still runs
-    stop: bool = False  # the leader's engine is going away: every rank stops now
 
     @property
     def empty(self) -> bool:
-        return not (self.adds or self.cancels or self.commands or self.draining or self.stop)
+        return not (self.adds or self.cancels or self.commands or self.draining)
 
 
 EMPTY = Turn()

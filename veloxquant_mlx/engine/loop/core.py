@@ -251,7 +251,7 @@ class EngineCore:
             self._end(seq, "error", fault.error, REQUEST_FAILED)
             return
         seq.state = RowState(sampler, processors, fault)
-        seq.out = Running(seq.handle, detokenizer, 0, fault)
+        seq.out = Running(seq.handle, detokenizer, fault)
         with self.inbox.lock:
             self.inbox.counters.prompt_tokens += seq.n_prompt
 

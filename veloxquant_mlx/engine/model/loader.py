@@ -122,7 +122,7 @@ class Runtime:
     group: Group | None = None
 
 
-def kv_layout(requested: str, geometry: KVGeometry) -> str:
+def kv_layout(requested: str) -> str:
     """The batch KV layout: "auto" is the measured best for the device (BENCHMARKS.md,
     "Paged blocks read whole"): the contiguous working set on both. Paged is even with it in
     process on a CPU but 0.82-0.95x over HTTP at 8 clients there, and 0.6-0.8x at 32-128
@@ -197,7 +197,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             f"and the default max_tokens), which needs {per_request * per_block / 2**20:.1f} "
             "MiB: raise --kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
-    layout = kv_layout(cfg.kv_layout, geometry)
+    layout = kv_layout(cfg.kv_layout)
     ragged = attention.choose(cfg.ragged_attention)
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
     if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)

@@ -19,7 +19,7 @@ def static_problem(
     ``logit_bias`` key outside the vocabulary, or prompt + ``max_tokens`` over the window."""
     vocab = vocab_size
     sampling = request.sampling
-    if any(not 0 <= t < vocab for t in request.prompt_tokens):
+    if not tokens_in_vocabulary(request.prompt_tokens, vocab):
         return InvalidRequestError(f"token ids must be in [0, {vocab})", "prompt")
     if sampling.top_k >= vocab:
         return InvalidRequestError(
@@ -36,5 +36,24 @@ def static_problem(
             f"This model's maximum context length is {context_window} tokens. However, you "
             f"requested {end} tokens ({n_prompt} in the prompt, {request.max_tokens} in the "
             "completion). Please reduce the length of the prompt or messages, or max_tokens."
+        )
+    return None
+
+
+def tokens_in_vocabulary(tokens: tuple[int, ...], vocab_size: int) -> bool:
+    return all(0 <= t < vocab_size for t in tokens)
+
+
+def score_problem(
+    prompt: tuple[int, ...], vocab_size: int, context_window: int | None
+) -> EngineError | None:
+    """The error a prompt to score must be refused with, or None."""
+    if not tokens_in_vocabulary(prompt, vocab_size):
+        return InvalidRequestError(f"token ids must be in [0, {vocab_size})", "prompt")
+    if context_window is not None and len(prompt) > context_window:
+        return InvalidRequestError(
+            f"This model's maximum context length is {context_window} tokens. However, the "
+            f"prompt is {len(prompt)} tokens.",
+            "prompt",
         )
     return None

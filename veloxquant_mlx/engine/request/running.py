@@ -20,7 +20,6 @@ class Running:
     __slots__ = (
         "delivered_at",
         "detokenizer",
-        "end",
         "fault",
         "handle",
         "n_generated",
@@ -30,11 +29,10 @@ class Running:
     )
 
     def __init__(
-        self, handle: RequestHandle, detokenizer: Detokenizer, end: int, fault: RequestFault
+        self, handle: RequestHandle, detokenizer: Detokenizer, fault: RequestFault
     ) -> None:
         self.handle = handle
         self.fault = fault
-        self.end = end
         self.detokenizer = detokenizer
         self.stops = StopMatcher(handle.request.stop)
         self.n_generated = 0
