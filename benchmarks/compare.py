@@ -145,15 +145,21 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(args: argparse.Namespace, work: Path) -> None:
-    # Both servers on the same BLAS: theirs with it preloaded, ours choosing it itself (its
-    # default --blas auto picks the same library; --blas-gemv adds the opt-in forwarder).
+def blas_envs() -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of ours and of mlx_lm.server: both on the same BLAS, theirs with it
+    preloaded, ours choosing it itself (its default --blas auto picks the same library)."""
     ours_env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VQ_BLAS_ACTIVE")}
     env = dict(ours_env)
     blas = select("auto")
     if blas:
         env["LD_PRELOAD"] = blas
         env["VQ_BLAS_ACTIVE"] = blas
+    return ours_env, env
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    ours_env, env = blas_envs()
+    blas = env.get("LD_PRELOAD")
     import mlx.core as mx
     import mlx_lm
 

@@ -57,6 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="conversations of this many turns, each resending its history (chat API)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (sampled traffic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: per-token bound, s")
@@ -108,6 +109,7 @@ async def level(
         prompt_words=_range(args.prompt_words),
         max_tokens=_range(args.max_tokens),
         temperature=args.temperature,
+        top_p=args.top_p,
         seed=args.seed if seed is None else seed,
         api_key=args.api_key,
         shared_prefix_words=args.shared_prefix_words,

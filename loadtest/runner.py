@@ -37,6 +37,7 @@ class Scenario:
     prompt_words: tuple[int, int] = (16, 64)
     max_tokens: tuple[int, int] = (32, 64)
     temperature: float = 0.0
+    top_p: float = 1.0
     seed: int = 0
     request_timeout: float = 300.0
     api_key: str | None = None
@@ -100,6 +101,8 @@ async def one(
 ) -> Record:
     """One request; ``history``: the conversation's earlier messages (chat)."""
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": sc.temperature}
+    if sc.top_p < 1.0:
+        body["top_p"] = sc.top_p
     system = system_prompt(sc)
     if sc.api == "chat" or history:
         url = f"{sc.base_url}/v1/chat/completions"

@@ -91,3 +91,22 @@ def test_plot_writes_a_png_of_throughput_and_ttft_against_concurrency(tmp_path):
     plot(summaries, tmp_path / "plots")
     png = (tmp_path / "plots" / "loadtest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_agent_sessions_grow_hit_the_cache_and_report_every_turn(server, tmp_path):
+    """``loadtest.agent``: sessions whose every turn resends the conversation; later turns find
+    the system prompt and the earlier turns cached, and the report covers every turn."""
+    from loadtest import agent
+
+    out = tmp_path / "agent.json"
+    rc = agent.main([
+        "--url", server.base_url, "--sessions", "2", "--turns", "3", "--system-words", "200",
+        "--turn-words", "10-30", "--max-tokens", "8", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    [row] = json.loads(out.read_text())
+    assert row["turns_ok"] == 6 and row["errors"] == 0 and row["tok_s"] > 0
+    assert 0.3 < row["hit_rate"] < 1  # the turns after the first hit through the history
+    assert row["ms_per_new_token"] > 0 and row["itl_p50"] > 0
+    assert row["peak_kv_bytes"] is None or row["peak_kv_bytes"] > 0
+    server.wait_pool_free()

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (``remote.EngineProcess``): same tokens, same refusals,
+"""The engine in a process of its own (``hosts.process.EngineProcess``): same tokens, same refusals,
 same pool accounting as on a thread; a dead child fails its requests and never hangs a caller;
 a child whose server vanished stops by itself."""
 

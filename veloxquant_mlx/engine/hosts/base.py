@@ -67,16 +67,23 @@ class HostBase:
         if self._load_error is not None:
             raise self._load_error
 
-    def _loaded(self, info: EngineInfo, tokenizer: Any = None) -> None:
-        """The engine is ready: keep its ``info`` and make the tokenizer-side tools (loading
-        the tokenizer from ``info.model_path`` when none is given). Raises what loading the
-        tokenizer raises; ``wait_ready`` stays blocked until ``_ready`` is set."""
-        if tokenizer is None:
+    def _loaded(self, info: EngineInfo, parts: Any = None) -> None:
+        """The engine is ready: keep its ``info`` and the tokenizer-side tools, taken from the
+        loop's ``parts`` when the loop is in this process, else made from the tokenizer at
+        ``info.model_path``. Raises what loading the tokenizer raises; ``wait_ready`` stays
+        blocked until ``_ready`` is set."""
+        if parts is not None:
+            self.tokenizer, self.token_bytes, self.grammars = (
+                parts.tokenizer,
+                parts.token_bytes,
+                parts.grammars,
+            )
+        else:
             tokenizer = load_tokenizer(Path(info.model_path))
-        self.token_bytes = token_bytes_table(tokenizer)
-        ll_tokenizer = grammar_tokenizer(tokenizer, info.vocab_size)
-        self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)
-        self.tokenizer = tokenizer
+            self.token_bytes = token_bytes_table(tokenizer)
+            ll_tokenizer = grammar_tokenizer(tokenizer, info.vocab_size)
+            self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)
+            self.tokenizer = tokenizer
         self.info = info
 
     def _stop_tools(self) -> None:

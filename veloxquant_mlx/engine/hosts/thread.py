@@ -63,6 +63,7 @@ def build_parts(rt: loader.Runtime) -> Parts:
         eos=frozenset(rt.tokenizer.eos_token_ids),
         kv_bytes_per_block=rt.kv_bytes_per_block,
         token_bytes=token_bytes,
+        tokenizer=rt.tokenizer,
     )
 
 
@@ -174,7 +175,7 @@ class Engine(HostBase):
             device=rt.device,
             group=GroupInfo() if rt.group is None else rt.group.info,
         )
-        self._loaded(info, rt.tokenizer)
+        self._loaded(info, parts)
         if rt.group is not None:
             watchdog = threading.Thread(
                 target=self._watch_group, name="veloxquant-group-watchdog", daemon=True

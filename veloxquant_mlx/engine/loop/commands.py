@@ -6,7 +6,7 @@ A ``Turn`` is the unit the loop applies before it schedules. In a group over mx.
 applies the same turn and then runs the same step, so the ranks' schedulers, pools and batches
 stay identical. Everything in a turn therefore pickles and nothing in it depends on the clock
 or randomness of the rank that applies it: the leader decides the drain deadline
-(``drain_expired``) and the random seeds (``engine.Engine.submit``).
+(``drain_expired``) and the random seeds (``hosts.thread.Engine.submit``).
 """
 
 from __future__ import annotations

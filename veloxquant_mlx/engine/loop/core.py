@@ -63,6 +63,7 @@ class Parts:
     eos: frozenset[int]
     kv_bytes_per_block: int
     token_bytes: list[bytes] | None = None
+    tokenizer: Any = None  # the host's, for the routes (the loop decodes through its parts)
 
 
 class EngineCore:
