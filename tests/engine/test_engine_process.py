@@ -263,8 +263,9 @@ def test_a_grammar_is_compiled_again_in_the_child_and_holds(make_process):
     text = engine.tokenizer.decode([e.token_id for e in events])
     if finish.finish_reason == "stop":  # a cut-off output is a prefix of the grammar's
         assert isinstance(json.loads(text)["a"], int), text
-    wide = {"anyOf": [{"type": "object", "properties": {f"a{j}_{i}": {} for i in range(400)}}
-                      for j in range(12)]}  # fmt: skip
+    wide = {"type": "object", "required": [f"o{j}" for j in range(12)], "properties": {
+        f"o{j}": {"type": "object", "properties": {f"a{j}_{i}": {} for i in range(400)}}
+        for j in range(12)}}  # fmt: skip
     slow = engine.grammars.compile(schema_grammar(wide, "s"))
     handle = engine.submit(request(engine.tokenizer.encode("json"), 4, grammar=slow))
     engine.cancel(handle)

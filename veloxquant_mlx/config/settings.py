@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     prefill_budget: int = Field(
         2048, ge=16, description="Prompt tokens prefilled between two decode steps at most."
     )
+    warm_up: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run the batch sizes and prefill shapes the engine will meet before /ready "
+        "answers 200, so that no request pays a kernel compile; auto: on a GPU (on a CPU the "
+        "first burst costs ~70 ms more, the warm-up 2-3 s of start).",
+    )
     kv_layout: Literal["auto", "paged", "dense"] = Field(
         "auto",
         description="Where running requests' KV lives: paged (the pool's blocks, read through "

@@ -24,6 +24,10 @@ class EngineConfig:
     # Prompt tokens prefilled per engine turn at most (padding included), between decode
     # steps: more starts a burst sooner, less keeps running streams smoother.
     prefill_budget: int = 2048
+    # Run the shapes the engine will meet before it is ready (loop/warmup.py), so that no
+    # request pays a kernel compile: "on", "off", or "auto" (on a GPU). Not in a group (the
+    # ranks step together from rank 0).
+    warm_up: str = "auto"
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
     stream_interval: float = 0.025

@@ -45,6 +45,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_queue=settings.max_queue,
         prefill_step=settings.prefill_step,
         prefill_budget=max(settings.prefill_budget, settings.prefill_step),
+        warm_up=settings.warm_up,
         kv_layout=settings.kv_layout,
         ragged_attention=settings.ragged_attention,
         paged_attention=settings.paged_attention,

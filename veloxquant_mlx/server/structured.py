@@ -28,8 +28,9 @@ COMPACT: dict[str, Any] = {
 # 64 JSON containers is about 30 schema levels, and keeps every walk far from Python's limit).
 MAX_NESTING = 64
 MAX_PROPERTIES = 5_000
-# llguidance branches over every optional property at each key of an object (about four parser
-# items a property, against its row limit of 2,000): past this, decoding fails at the first key.
+# llguidance branches over every optional property at each key of an object, and over those of
+# every alternative of an anyOf (about four parser items a property, against its row limit of
+# 2,000): past this, decoding fails at the first key.
 MAX_OPTIONAL_PROPERTIES = 400
 MAX_ENUM_VALUES = 1_000
 MAX_STRING_CHARS = 120_000  # property names, enum values and consts, all together
@@ -56,14 +57,15 @@ def check_schema(schema: Any, param: str) -> None:
         if isinstance(properties, dict):
             n_properties += len(properties)
             n_chars += sum(len(str(k)) for k in properties)
-            required = node.get("required")
-            n_required = len(set(required) & set(properties)) if isinstance(required, list) else 0
-            if len(properties) - n_required > MAX_OPTIONAL_PROPERTIES:
-                raise _too_big(
-                    param,
-                    f"has an object of more than {MAX_OPTIONAL_PROPERTIES} optional properties "
-                    "(list them in 'required', or split the object)",
-                )
+        # The keys an object may start with: its optional properties, or those of all the
+        # objects an anyOf / oneOf offers there.
+        choices = [node, *(a for k in ("anyOf", "oneOf") for a in _list(node.get(k)))]
+        if sum(_n_optional(c) for c in choices) > MAX_OPTIONAL_PROPERTIES:
+            raise _too_big(
+                param,
+                f"offers more than {MAX_OPTIONAL_PROPERTIES} optional properties at one key "
+                "(list them in 'required', or split the object)",
+            )
         enum = node.get("enum")
         if isinstance(enum, list):
             if len(enum) > MAX_ENUM_VALUES:
@@ -80,6 +82,20 @@ def check_schema(schema: Any, param: str) -> None:
         for key, value in node.items():
             if key not in ("enum", "const", "default", "examples"):
                 stack.append((value, depth + 1))
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _n_optional(node: Any) -> int:
+    """Properties of the object ``node`` not in its ``required`` list (0 for anything else)."""
+    properties = node.get("properties") if isinstance(node, dict) else None
+    if not isinstance(properties, dict):
+        return 0
+    required = node.get("required")
+    names = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    return len(properties) - len(names & set(properties))
 
 
 def _too_big(param: str, what: str) -> APIError:

@@ -25,6 +25,8 @@ from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefix
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
 from veloxquant_mlx.engine.loop.inbox import Inbox
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
+from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
+from veloxquant_mlx.engine.loop.warmup import warm_up_waves
 from veloxquant_mlx.engine.model import loader
 from veloxquant_mlx.engine.request.checks import score_problem
 from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
@@ -175,6 +177,17 @@ class Engine(HostBase):
             device=rt.device,
             group=GroupInfo() if rt.group is None else rt.group.info,
         )
+        if warm_up_wanted(self.config.warm_up) and rt.group is None:
+            started = time.monotonic()
+            n = self._core.warm_up(
+                warm_up_waves(
+                    self.config.max_running,
+                    self.config.prefill_step,
+                    info.context_window,
+                    info.vocab_size,
+                )
+            )
+            log.info("warmed up: %d requests in %.1f s", n, time.monotonic() - started)
         self._loaded(info, parts)
         if rt.group is not None:
             watchdog = threading.Thread(

@@ -28,11 +28,13 @@ from veloxquant_mlx.engine.loop.commands import (
     Turn,
 )
 from veloxquant_mlx.engine.loop.group import Group
-from veloxquant_mlx.engine.loop.inbox import Inbox, snapshot_of
+from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
+from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
 from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource
+from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID
 from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler
@@ -46,6 +48,7 @@ from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
     REQUEST_FAILED,
     EngineNotReadyError,
+    GenerationRequest,
 )
 
 log = logging.getLogger("veloxquant.engine")
@@ -222,6 +225,29 @@ class EngineCore:
             return
         if self.scheduler.keeps_pages:
             self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
+
+    def warm_up(self, waves: list[list[GenerationRequest]]) -> int:
+        """Run ``waves`` of synthetic requests (``warmup``), each to its end, then drop what
+        they left: cached pages, counters, the published snapshot. Before the engine is ready
+        (nothing else runs). Returns how many requests ran."""
+        n = 0
+        for wave in waves:
+            for request in wave:
+                handle = RequestHandle(WARM_UP_ID + n, request)
+                seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
+                self._live[handle.request_id] = seq
+                self.scheduler.waiting.append(seq)
+                n += 1
+            while self._busy() or self._inflight:
+                self._turn()
+        self.scheduler.reset_cache()
+        self.scheduler.preemptions = 0
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.counts = CacheCounts()
+        with self.inbox.lock:
+            self.inbox.counters = Counters()
+        self._publish()
+        return n
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""

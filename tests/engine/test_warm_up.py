@@ -1,0 +1,56 @@
+"""Warm start: before the engine says it is ready it runs every batch size up to
+``max_running``, a chunked prompt and a sampled request, and then nothing of it shows: no
+counters, no cached pages, no held block, and the same tokens as an engine that did not warm up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tests.conftest import assert_engine_all_free
+from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID, wanted, warm_up_waves
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_the_waves_cover_every_batch_size_and_a_chunked_prompt():
+    waves = warm_up_waves(max_running=12, prefill_step=64, context_window=2048, vocab_size=2048)
+    sizes = [len(w) for w in waves]
+    assert sizes[:5] == [1, 2, 4, 8, 12]
+    lengths = [len(r.prompt_tokens) for w in waves for r in w]
+    assert 64 in lengths and 2 * 64 + 8 in lengths  # one chunk, and several
+    prompts = [r.prompt_tokens for w in waves for r in w if not r.sampling.greedy]
+    assert prompts and all(0 < t < 2048 for p in prompts for t in p)
+    decode = [r.prompt_tokens for w in waves[:5] for r in w]
+    assert len(set(decode)) == len(decode)  # no prefix hit changes a shape
+    # a window too short for the long prompts leaves them out
+    short = warm_up_waves(max_running=2, prefill_step=64, context_window=100, vocab_size=50)
+    assert max(len(r.prompt_tokens) for w in short for r in w) <= 100 - 3
+
+
+def test_auto_warms_up_on_a_gpu_only():
+    assert wanted("on") and not wanted("off")
+    assert wanted("auto") is False  # this suite runs MLX on a CPU
+
+
+def test_a_warmed_engine_shows_nothing_of_it_and_decodes_the_same(make_engine, caplog):
+    with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
+        warmed = make_engine(kv_cache_mb=32, warm_up="on", max_running=4, prefill_step=32)
+    assert any("warmed up" in r.getMessage() for r in caplog.records)
+    stats = warmed.stats()
+    assert stats.requests_finished_total == {} and stats.prompt_tokens_total == 0
+    assert stats.generated_tokens_total == 0 and stats.preemptions_total == 0
+    assert stats.cached_blocks == 0 and stats.prefix_queries_total == 0
+    assert warmed.pool is not None and warmed.pool.stats.blocks_in_use() == 0
+    assert all(owner < WARM_UP_ID for owner in warmed.pool.owner_block_counts())
+    cold = make_engine(kv_cache_mb=32, warm_up="off", max_running=4, prefill_step=32)
+    prompt = tuple(range(5, 60))
+    tokens = []
+    for engine in (warmed, cold):
+        handle = engine.submit(GenerationRequest(prompt, 12, GREEDY))
+        events, finish = handle.collect(60)
+        assert finish.finish_reason == "length"
+        tokens.append([e.token_id for e in events])
+    assert tokens[0] == tokens[1]
+    assert_engine_all_free(warmed)

@@ -1,0 +1,64 @@
+"""Warm start: the shapes the engine will meet, run once before it says it is ready.
+
+MLX compiles a kernel the first time it meets a shape (on a GPU: seconds for the first steps of
+a fresh install; later processes find them in its cache), so without this the first users of a
+new server pay those compiles on the request path. The engine runs, before ``ready``, waves of
+synthetic requests: every batch size from 1 up to ``max_running`` in powers of two, a prompt of
+one prefill chunk and one of several chunks, and a sampled request with penalties, top-k/top-p
+and logprobs; then it drops what they left (cached pages, counters). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+
+# Request ids of the warm-up, above any a host hands out (they are the pool's owners).
+WARM_UP_ID = 1 << 62
+PROMPT = 8  # tokens of a decode wave's prompts
+DECODE = 3  # tokens each request generates
+
+
+def wanted(mode: str) -> bool:
+    """Whether to warm up: "on", "off", or "auto": on a GPU. On this CPU a fresh engine's first
+    burst of 16 requests took ~0.38 s against ~0.31 s later (little to compile), while the
+    warm-up itself costs 2-3 s of start; on an H200 the first server on a fresh machine had
+    seconds of p99 TTFT that later ones did not (BENCHMARKS.md)."""
+    if mode == "auto":
+        return mx.default_device() == mx.gpu
+    return mode == "on"
+
+
+def warm_up_waves(
+    max_running: int, prefill_step: int, context_window: int | None, vocab_size: int
+) -> list[list[GenerationRequest]]:
+    """The warm-up's waves, run one after the other (each to its end, so each batch size is
+    met). Prompts differ from each other, so no prefix-cache hit changes a shape."""
+    waves: list[list[GenerationRequest]] = []
+    serial = 0
+
+    def prompt(n: int) -> tuple[int, ...]:
+        nonlocal serial
+        serial += 1
+        return tuple((serial * 7919 + i * 31) % (vocab_size - 1) + 1 for i in range(n))
+
+    sizes, size = [], 1
+    while size < max_running:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_running)
+    greedy = SamplingParams(temperature=0.0)
+    for size in sizes:
+        waves.append([GenerationRequest(prompt(PROMPT), DECODE, greedy) for _ in range(size)])
+    window = context_window or 1 << 30
+    for n in (prefill_step, 2 * prefill_step + PROMPT):
+        if n + DECODE <= window:
+            waves.append([GenerationRequest(prompt(n), DECODE, greedy)])
+    sampled = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.1
+    )
+    waves.append(
+        [GenerationRequest(prompt(PROMPT), DECODE, sampled, logprobs=True, top_logprobs=5)] * 2
+    )
+    return waves
