@@ -1,0 +1,144 @@
+"""How long a long prompt arriving pauses the streams already decoding, per prefill budget.
+
+    python -m benchmarks.stall_bench [--model embedded|100m] [--budgets 2048,1024,512,256]
+        [--prompt-tokens 1900] [--streams 2] [--repeats 3]
+
+For each budget it starts our server (``--prefill-budget B``, ``--prefill-step`` at most B,
+``--stream-interval-ms 0`` so every token is seen as it is made) and measures:
+
+- the long prompt's cold prefill alone: TTFT of a fresh prompt of ``--prompt-tokens`` tokens;
+- the stall: ``--streams`` streams decoding, then a fresh long prompt arrives; the longest gap
+  between two tokens of any stream while it is prefilled, against the streams' median gap.
+
+The target (issue: prefill never stalls decoding) is a stall of at most about a tenth of the
+cold prefill on a CPU. Every server it starts is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.compare import blas_envs, model_dir
+from loadtest.proc import free_port, server
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict, times: list[float], any_chunk: bool = False
+) -> None:
+    """Stream ``body``'s completion, appending each text chunk's arrival time to ``times``
+    (``any_chunk``: every chunk's, an empty first text or the finish included)."""
+    async with client.stream("POST", url, json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                obj = json.loads(line[5:])
+                choices = obj.get("choices") or ()
+                if choices and (any_chunk or any(c.get("text") for c in choices)):
+                    times.append(time.monotonic())
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+async def measure(base: str, prompt_tokens: int, streams: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    url = f"{base}/v1/completions"
+    long = {"prompt": _prompt(rng, prompt_tokens), "max_tokens": 1, "temperature": 0,
+            "stream": True}  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        first: list[float] = []
+        t0 = time.monotonic()
+        await _stream(client, url, long, first, any_chunk=True)
+        cold = first[0] - t0
+        times: list[list[float]] = [[] for _ in range(streams)]
+        body = {"max_tokens": 300, "temperature": 0, "stream": True}
+        tasks = [
+            asyncio.create_task(_stream(client, url, {**body, "prompt": _prompt(rng, 16)}, t))
+            for t in times
+        ]
+        while min(len(t) for t in times) < 20:
+            await asyncio.sleep(0.01)
+        arrived: list[float] = []
+        sent = time.monotonic()
+        await _stream(
+            client, url, {**long, "prompt": _prompt(rng, prompt_tokens)}, arrived, any_chunk=True
+        )
+        done = arrived[0] + 0.2
+        while min(t[-1] for t in times) < done and not all(task.done() for task in tasks):
+            await asyncio.sleep(0.01)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        gaps_before = [b - a for t in times for a, b in itertools.pairwise(t) if b < sent]
+        stall = max(
+            (b - a for t in times for a, b in itertools.pairwise(t) if b > sent and a < done),
+            default=0.0,
+        )
+    return {
+        "cold_ms": cold * 1000,
+        "stall_ms": stall * 1000,
+        "stall_over_cold": stall / cold,
+        "itl_p50_ms": statistics.median(gaps_before) * 1000 if gaps_before else float("nan"),
+        "ttft_loaded_ms": (arrived[0] - sent) * 1000,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded", choices=("embedded", "100m"))
+    p.add_argument("--budgets", default="2048,1024,512,256")
+    p.add_argument("--prompt-tokens", type=int, default=1900)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vq-stall-"))
+    ours_env, _ = blas_envs()
+    rows = []
+    try:
+        path = model_dir(args.model, work)
+        for budget in (int(b) for b in args.budgets.split(",")):
+            port = free_port()
+            cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
+                   "--port", str(port), "--admin-key", "stall-bench-admin",
+                   "--prefill-budget", str(budget), "--prefill-step", str(min(512, budget)),
+                   "--stream-interval-ms", "0", "--no-prefix-caching"]  # fmt: skip
+            with server(cmd, port, ours_env, work / f"ours-{budget}.log"):
+                base = f"http://127.0.0.1:{port}"
+                runs = [
+                    asyncio.run(measure(base, args.prompt_tokens, args.streams, seed))
+                    for seed in range(args.repeats)
+                ]
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append((budget, med))
+            print(f"budget {budget}: {med}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{args.model} model, {args.prompt_tokens}-token prompt arriving while "
+          f"{args.streams} streams decode (medians of {args.repeats}):\n")  # fmt: skip
+    print(
+        "| prefill budget | cold prefill ms | stall ms | stall / cold | ITL p50 ms "
+        "| loaded TTFT ms |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for budget, m in rows:
+        print(
+            f"| {budget} | {m['cold_ms']:.0f} | {m['stall_ms']:.0f} | "
+            f"{m['stall_over_cold']:.2f} | {m['itl_p50_ms']:.1f} | {m['ttft_loaded_ms']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
