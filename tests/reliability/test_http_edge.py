@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 
 import httpx
 import pytest
 
-from tests.reliability.conftest import ADMIN, API_KEY, assert_error, good_completion
+from tests.reliability.conftest import (
+    ADMIN,
+    API_KEY,
+    assert_error,
+    good_completion,
+    start_server,
+    stop_server,
+)
 
 AUTH = f"Authorization: Bearer {API_KEY}\r\n".encode()
 
@@ -208,16 +216,64 @@ def test_a_broken_body_with_the_right_key_is_400(edge_server):
 
 
 def test_connections_over_the_cap_get_503_and_the_rest_are_served(edge_server):
+    """Past --max-connections (16 here) only health and metrics are answered, on the few
+    connections kept for them; past those too, everything is 503. (Idle connections close
+    after a second here: each phase opens its own.)"""
     host, port = edge_server.base_url.removeprefix("http://").split(":")
-    held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(16)]
+
+    def get(path: bytes) -> httpx.Response:
+        raw, _ = exchange(
+            edge_server, b"GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n" % path
+        )
+        return parse(raw)
+
+    for extra, answers in ((0, 200), (8, 503)):
+        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(16 + extra)]
+        try:
+            assert_error(get(b"/v1/models"), 503, code="too_many_connections")
+            for path in (b"/health", b"/ready", b"/metrics"):
+                r = get(path)
+                assert r.status_code == answers, (path, r.text[:300])
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(0.2)
+    assert httpx.get(f"{edge_server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_one_client_cannot_hold_the_connections_of_the_others(tmp_path, default_model_dir):
+    """A client address over --max-connections-per-client gets 503 for its extra connections;
+    another address (127.0.0.2: loopback is all of 127/8 on Linux) is still served, and a
+    --trusted-proxies address is held only to the global cap."""
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(
+        tmp_path, "--n-blocks", "4000", "--max-connections", "64",
+        "--max-connections-per-client", "6", "--keep-alive-timeout", "30",
+        "--trusted-proxies", '["127.0.0.3"]',
+    )  # fmt: skip
+    host, port = srv.base_url.removeprefix("http://").split(":")
+
+    def connect(source: str) -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+
+    def ask(sock: socket.socket) -> httpx.Response:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return parse(b"".join(chunks))
+
+    held = [connect("127.0.0.1") for _ in range(6)]
     try:
-        raw, _ = exchange(edge_server, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-        assert_error(parse(raw), 503, code="too_many_connections")
+        assert_error(ask(connect("127.0.0.1")), 503, code="too_many_connections")
+        assert ask(connect("127.0.0.2")).status_code == 200
+        held += [connect("127.0.0.3") for _ in range(10)]  # a trusted proxy: not per client
+        assert ask(connect("127.0.0.3")).status_code == 200
     finally:
         for s in held:
             s.close()
-    time.sleep(0.2)
-    assert httpx.get(f"{edge_server.base_url}/health", timeout=10).status_code == 200
+        srv.wait_pool_free()
+        assert stop_server(srv) == 0, srv.log()
 
 
 def test_unknown_paths_and_methods(edge_server):

@@ -180,7 +180,21 @@ class Settings(BaseSettings):
         5.0, gt=0, description="Seconds an idle connection is kept open (then closed)."
     )
     max_connections: int = Field(
-        1024, ge=1, description="Open connections at most; more are answered 503 and closed."
+        1024,
+        ge=1,
+        description="Open connections at most; more are answered 503 and closed (8 more are "
+        "kept for GET /health, /ready and /metrics).",
+    )
+    max_connections_per_client: int = Field(
+        256,
+        ge=1,
+        description="Open connections from one client address at most (then 503); addresses "
+        "in --trusted-proxies are held only to --max-connections.",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Reverse-proxy addresses whose connections are not counted per client "
+        "(all their clients arrive from them), e.g. '[\"10.0.0.5\"]'.",
     )
 
     @model_validator(mode="after")

@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_connections=settings.max_connections,
                 max_header_bytes=settings.max_header_bytes,
                 header_timeout=settings.header_timeout,
+                max_connections_per_client=settings.max_connections_per_client,
+                trusted_proxies=frozenset(settings.trusted_proxies),
             )
         ),
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]

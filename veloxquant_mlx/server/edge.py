@@ -3,9 +3,12 @@
 uvicorn (0.54) has an idle keep-alive timeout but no limit on the size of a request head when
 it parses with httptools, no deadline for a head to arrive (a slowloris holds a connection and
 its buffer forever), and a concurrency limit that answers only once a request has arrived. This
-subclass adds, per connection: a cap on open connections (503 and close at once), a deadline
-for the request line and headers (408), a size limit on them (431), and the idle timeout from
-the first byte on (uvicorn arms it only after a first response). Bodies are limited by
+subclass adds, per connection: a cap on open connections (503 and close at once), and below it a
+cap per client address (so one client cannot hold them all), with a few connections past the
+cap kept for ``GET /health``, ``/ready`` and ``/metrics`` (a supervisor and Prometheus still get
+an answer when the rest are taken); a deadline for the request line and headers (408), a size
+limit on them (431), and the idle timeout from the first byte on (uvicorn arms it only after a
+first response). Bodies are limited by
 ``middleware.BodyGuard`` (413, 408), authentication by ``middleware.AuthGate``.
 """
 
@@ -29,6 +32,9 @@ _REASONS = {
 
 
 _LINGER_SECONDS = 1.0
+# Connections past --max-connections that may still ask for these (GET only).
+RESERVED = 8
+OPS_PATHS = (b"/health", b"/ready", b"/metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,9 @@ class EdgeLimits:
     max_connections: int
     max_header_bytes: int
     header_timeout: float
+    max_connections_per_client: int = 1 << 30
+    # Addresses not held to the per-client cap (a reverse proxy: all its clients share them).
+    trusted_proxies: frozenset[str] = frozenset()
 
 
 class _HeadRejected(Exception):
@@ -56,9 +65,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._rejected = False
-        # Over the cap: answered 503 when its request arrives (answering before it is read
+        # Over a cap: answered 503 when its request arrives (answering before it is read
         # would make the client's write meet a closed socket: a reset, not a response).
-        self._over_cap = len(self.connections) > self.limits.max_connections
+        n_open, cap = len(self.connections), self.limits.max_connections
+        self._over_cap = n_open > cap + RESERVED
+        self._ops_only = cap < n_open <= cap + RESERVED  # a reserved one: health and metrics
+        self._over_client_cap = False
+        peer = self.client[0] if self.client else None
+        if peer is not None and peer not in self.limits.trusted_proxies:
+            same = sum(1 for c in self.connections if _peer(c) == peer)
+            self._over_client_cap = same > self.limits.max_connections_per_client
         # A connection that never sends a byte is idle too.
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -73,6 +89,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._over_cap:
             self._reject(503, "too many open connections; try again later", "too_many_connections")
+            return
+        if self._over_client_cap:
+            self._reject(
+                503,
+                "too many open connections from this client; close some and try again",
+                "too_many_connections",
+            )
             return
         self._unset_keepalive_if_required()
         if self._in_head:
@@ -103,6 +126,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
         if size > self.limits.max_header_bytes:
             self._head_too_large()
+            raise _HeadRejected
+        if self._ops_only and not (
+            self.parser.get_method() == b"GET" and self.url.split(b"?")[0] in OPS_PATHS
+        ):
+            self._reject(503, "too many open connections; try again later", "too_many_connections")
             raise _HeadRejected
         self._in_head = False
         self._head_bytes = 0
@@ -158,6 +186,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.loop.call_later(_LINGER_SECONDS, self.transport.close)
         else:
             self.transport.close()
+
+
+def _peer(connection: Any) -> str | None:
+    client = getattr(connection, "client", None)
+    return client[0] if client else None
 
 
 def protocol_class(limits: EdgeLimits) -> type[Any]:
