@@ -107,6 +107,12 @@ class Settings(BaseSettings):
         description="Launched over mx.distributed (mlx.launch): split the model's layers "
         "between the ranks (pipeline parallel) instead of its tensors (the default).",
     )
+    engine_stall_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds the engine may have work and show no progress before /ready "
+        "answers 503 engine_stalled; at 4x this, /health does too (for a supervisor).",
+    )
     group_timeout: float = Field(
         300.0,
         gt=0,

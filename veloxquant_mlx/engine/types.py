@@ -261,6 +261,7 @@ class EngineView:
 
     stats: EngineStats
     pool: PoolView | None
+    age_s: float = 0.0  # how old it is when the engine did not answer (an engine process)
 
 
 REFUSALS: dict[str, type[EngineError]] = {

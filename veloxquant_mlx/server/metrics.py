@@ -76,6 +76,17 @@ class EngineCollector(Collector):
             "1 when serving (loaded, not draining).",
             stats.ready and not stats.draining,
         )
+        yield _gauge(
+            "veloxquant_engine_snapshot_age_seconds",
+            "How old the engine figures in this scrape are (0 but when the engine process did "
+            "not answer in time: then its last ones are shown).",
+            view.age_s,
+        )
+        yield _gauge(
+            "veloxquant_engine_stalled_seconds",
+            "Seconds the engine has had work and shown no progress (0 when progressing).",
+            engine.stalled_for(),
+        )
         yield _gauge("veloxquant_requests_running", "Requests being decoded.", stats.running)
         yield _gauge("veloxquant_requests_waiting", "Requests queued for admission.", stats.waiting)
         yield _counter(

@@ -21,7 +21,8 @@ admin = APIRouter(prefix="/admin")  # the admin key is checked before the body (
 @router.get("/health", response_model=None)
 async def health(request: Request) -> Any:
     """Liveness: 200 while the process can serve (loading, serving or draining); 503 once the
-    engine has failed (the process is about to exit non-zero for its supervisor to restart)."""
+    engine has failed (the process is about to exit non-zero for its supervisor to restart),
+    or has shown no progress with work to do for 4x ``--engine-stall-timeout``."""
     st = getattr(request.app.state, "vq", None)
     if st is not None and not st.engine.alive and not st.engine.draining:
         return JSONResponse(
@@ -29,7 +30,17 @@ async def health(request: Request) -> Any:
             status_code=503,
             headers={"Retry-After": "5"},
         )
+    if st is not None and st.engine.stalled_for() > 4 * st.settings.engine_stall_timeout:
+        return _stalled(st.engine.stalled_for())
     return {"status": "ok"}
+
+
+def _stalled(seconds: float) -> JSONResponse:
+    return JSONResponse(
+        error_body(503, f"the engine has shown no progress for {seconds:.0f} s", "engine_stalled"),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
 
 
 @router.get("/ready", response_model=None)
@@ -42,6 +53,9 @@ async def ready(request: Request) -> Any:
             status_code=503,
             headers={"Retry-After": "5"},
         )
+    stalled = st.engine.stalled_for()
+    if stalled > st.settings.engine_stall_timeout:
+        return _stalled(stalled)
     stats = await asyncio.to_thread(st.engine.stats)  # a round trip to an engine process
     if not stats.holds_a_request:  # shrunk below one request: a router should send elsewhere
         return JSONResponse(

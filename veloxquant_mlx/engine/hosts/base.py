@@ -54,6 +54,12 @@ class HostBase:
     def draining(self) -> bool:
         raise NotImplementedError
 
+    def stalled_for(self) -> float:
+        """Seconds the engine has had work and shown no progress (0: idle or progressing).
+        Measured where a host can see it without the engine's help (an engine process's pipe);
+        0 for the thread, whose death is seen directly."""
+        return 0.0
+
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and self._load_error is None and self.alive

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import queue
 import socket
 import subprocess
 import sys
@@ -55,6 +56,9 @@ from veloxquant_mlx.pool import BlockPoolAllocator
 
 __all__ = ["EngineProcess"]
 
+OUTBOX = 4096  # messages queued for the child at most (then 503)
+_CLOSE = object()  # tells the sender thread to stop
+
 log = logging.getLogger("veloxquant.engine")
 
 
@@ -88,7 +92,6 @@ class EngineProcess(HostBase):
         self.config = config
         self._child_args = (log_format, log_level, switch_interval)
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
         self._handles: dict[int, RequestHandle] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._ids = itertools.count(1)
@@ -96,6 +99,13 @@ class EngineProcess(HostBase):
         self._draining = False
         self._exited = threading.Event()
         self._last_view: EngineView | None = None
+        self._last_view_at = 0.0  # monotonic time of _last_view
+        # Messages to the child go through a bounded queue and a sender thread, so a child that
+        # stops reading (stopped, swapping) never blocks a caller (the event loop included).
+        self._outbox: queue.Queue[object] = queue.Queue(OUTBOX)
+        self._sender: threading.Thread | None = None
+        # When the child was last heard from; reset when work starts after an idle spell.
+        self._last_heard = time.monotonic()
         self._process: Any = None
         self._conn: Any = None
         self._reader: threading.Thread | None = None
@@ -113,6 +123,10 @@ class EngineProcess(HostBase):
         )
         theirs.close()
         self._alive = True
+        self._sender = threading.Thread(
+            target=self._send_all, name="veloxquant-engine-send", daemon=True
+        )
+        self._sender.start()
         self._send(Config(self.config, *self._child_args))
         self._reader = threading.Thread(
             target=self._read, name="veloxquant-engine-pipe", daemon=True
@@ -151,9 +165,12 @@ class EngineProcess(HostBase):
         self._kill()
 
     def _close(self) -> None:
-        with self._send_lock:
-            if self._conn is not None:
-                self._conn.close()
+        with contextlib.suppress(queue.Full):
+            self._outbox.put_nowait(_CLOSE)
+        if self._sender is not None and self._sender is not threading.current_thread():
+            self._sender.join(2.0)  # a sender stuck in a send (a stopped child) is left behind
+        if self._conn is not None:
+            self._conn.close()
 
     def _kill(self) -> None:
         """Last resort (and at interpreter exit): the child must not outlive this process."""
@@ -170,17 +187,49 @@ class EngineProcess(HostBase):
     # ------------------------------------------------------------------ the pipe
 
     def _send(self, message: object) -> None:
-        with self._send_lock:
+        """Queue ``message`` for the child; never blocks.
+
+        Raises:
+            EngineNotReadyError: The child is gone, or has not read its last ``OUTBOX``
+                messages (stopped or far behind: the caller answers 503).
+        """
+        if not self._alive:
+            raise EngineNotReadyError("the engine is not running")
+        try:
+            self._outbox.put_nowait(message)
+        except queue.Full:
+            raise EngineNotReadyError(
+                "the engine process is not keeping up; try again later"
+            ) from None
+
+    def _send_all(self) -> None:
+        """The sender thread: hands queued messages to the pipe (blocking here, not in callers)."""
+        while True:
+            message = self._outbox.get()
+            if message is _CLOSE:
+                return
             try:
                 self._conn.send(message)
-            except (OSError, EOFError, ValueError) as exc:  # ValueError: closed on our side
-                raise EngineNotReadyError("the engine is not running") from exc
+            except (OSError, EOFError, ValueError):  # closed: the reader sees the child gone
+                return
+
+    def stalled_for(self) -> float:
+        """Seconds the child has had work (requests or calls) and sent nothing; 0 when idle."""
+        with self._lock:
+            busy = bool(self._handles or self._calls)
+        return time.monotonic() - self._last_heard if busy and self._alive else 0.0
+
+    def _work_starts(self) -> None:
+        """Called with ``_lock`` held before work is added: an idle spell is not a stall."""
+        if not self._handles and not self._calls:
+            self._last_heard = time.monotonic()
 
     def _read(self) -> None:
         conn = self._conn
         try:
             while True:
                 message = conn.recv()
+                self._last_heard = time.monotonic()
                 if isinstance(message, Events):
                     self._dispatch(message.items)
                 elif isinstance(message, Return):
@@ -278,6 +327,7 @@ class EngineProcess(HostBase):
         request_id = next(self._ids)
         handle = RequestHandle(request_id, request)
         with self._lock:
+            self._work_starts()
             self._handles[request_id] = handle
         try:
             self._send(Add(request_id, request))
@@ -305,14 +355,17 @@ class EngineProcess(HostBase):
         """As ``Engine.score``, in the child (blocks the caller)."""
         return list(self._call("score", (prompt, top, timeout), timeout + 5.0))
 
-    def view(self, timeout: float = 10.0) -> EngineView:
-        """The child's counters and pool now (one round trip); the last one seen once the
-        child is gone, with ``alive`` false."""
+    def view(self, timeout: float = 2.0) -> EngineView:
+        """The child's counters and pool now (one round trip). When the child does not answer
+        within ``timeout`` (stopped, or gone), the last view it sent, with ``age_s`` saying how
+        old it is and ``alive``/``ready`` as this side knows them."""
         try:
             view: EngineView = self._call("view", (), timeout)
-            self._last_view = view
-        except EngineNotReadyError:
+            self._last_view, self._last_view_at = view, time.monotonic()
+            age = 0.0
+        except (EngineNotReadyError, TimeoutError):
             view = self._last_view or EngineView(EngineStats(), None)
+            age = time.monotonic() - self._last_view_at if self._last_view is not None else 0.0
         rejected = Counter(view.stats.rejections_total) + Counter(self._refusals())
         stats = dataclasses.replace(
             view.stats,
@@ -321,7 +374,7 @@ class EngineProcess(HostBase):
             draining=self._draining or view.stats.draining,
             rejections_total=dict(rejected),
         )
-        return EngineView(stats, view.pool)
+        return EngineView(stats, view.pool, age)
 
     def stats(self) -> EngineStats:
         return self.view().stats
@@ -332,6 +385,7 @@ class EngineProcess(HostBase):
         future: Future[Any] = Future()
         call_id = next(self._ids)
         with self._lock:
+            self._work_starts()
             self._calls[call_id] = future
         try:
             self._send(Call(call_id, name, args))
