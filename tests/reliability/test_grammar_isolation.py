@@ -166,3 +166,12 @@ def test_the_compiler_caches_shares_and_bounds(default_model_dir):
             compiler.submit(bad).result(timeout=0)
     finally:
         compiler.shutdown()
+
+
+async def test_a_schema_with_no_value_is_a_400_not_an_empty_answer(client_for):
+    """``{"$ref": "#"}`` refers only to itself: no JSON value matches it. It used to answer 200
+    with empty content; the compile sees that only end-of-sequence could come first."""
+    client: httpx.AsyncClient = await client_for()
+    r = await client.post("/v1/chat/completions", json=structured({"$ref": "#"}, max_tokens=8))
+    err = assert_error(r, 400, "invalid_value", "response_format.json_schema.schema")
+    assert "no value" in err["message"]

@@ -325,3 +325,23 @@ async def test_api_key_guards_v1_when_set(client_for):
     )
     assert r.status_code == 200
     assert (await client.get("/health")).status_code == 200
+
+
+def test_an_unhandled_error_is_a_500_that_closes_its_connection():
+    """A bug answers OpenAI's shape with no detail, and ``connection: close``: the state of a
+    connection a bug went through is unknown, so the client reconnects."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from veloxquant_mlx.server import errors
+
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a secret path /root/x.py")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500 and r.headers["connection"] == "close"
+    assert r.json()["error"]["code"] == "internal_error" and "secret" not in r.text

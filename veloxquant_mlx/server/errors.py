@@ -176,4 +176,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError(500, "internal server error", code="internal_error"))
+        # A bug may have left the connection's state unknown: the client reconnects.
+        return error_response(
+            APIError(
+                500, "internal server error", code="internal_error",
+                headers={"Connection": "close"},
+            )
+        )  # fmt: skip

@@ -107,6 +107,7 @@ class GrammarCompiler:
         import llguidance
 
         self.ll_tokenizer = ll_tokenizer
+        self._eos = tuple(getattr(ll_tokenizer, "eos_tokens", None) or [ll_tokenizer.eos_token])
         self.max_pending = max_pending
         self.cache_size = cache_size
         self._limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
@@ -147,17 +148,31 @@ class GrammarCompiler:
     def _compile(self, key: str, text: str) -> Grammar:
         import llguidance
 
+        outcome: Any
         try:
             matcher = llguidance.LLMatcher(
                 self.ll_tokenizer, text, log_level=0, limits=self._limits
             )
-            # The first mask builds the lexer states every copy starts from (a wide anyOf:
-            # ~120 ms here, then under 1 ms a copy): paid here, not on the engine's first step.
+            outcome = matcher.get_error() if matcher.is_error() else matcher
             if not matcher.is_error():
-                matcher.compute_bitmask()
-            outcome: Any = matcher.get_error() if matcher.is_error() else matcher
+                # The first mask builds the lexer states every copy starts from (a wide anyOf:
+                # ~120 ms here, then under 1 ms a copy): paid here, not on the engine's first
+                # step. If only end-of-sequence may come first, the grammar admits nothing (a
+                # schema that refers only to itself, ``{"$ref": "#"}``).
+                first = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+                allowed = set(np.flatnonzero(np.unpackbits(first, bitorder="little")).tolist())
+                stuck = matcher.is_error() and "NoExtension" in matcher.get_error()
+                if stuck or not (matcher.is_error() or allowed - set(self._eos)):
+                    outcome = "the grammar admits no output (the schema has no value)"
+                elif matcher.is_error():
+                    outcome = matcher.get_error()
         except Exception as exc:  # API misuse only (llguidance reports grammar errors itself)
             outcome = f"the grammar could not be compiled ({type(exc).__name__})"
+        return self._store(key, text, outcome)
+
+    def _store(self, key: str, text: str, outcome: Any) -> Grammar:
+        """Cache the outcome of a compile (a matcher, or a refusal's text) and return it (or
+        raise the refusal as ``GrammarError``)."""
         with self._lock:
             self._pending.pop(key, None)
             self._cache[key] = outcome
@@ -168,8 +183,8 @@ class GrammarCompiler:
 
 def _done(text: str, outcome: Any) -> Future[Grammar]:
     future: Future[Grammar] = Future()
-    if isinstance(outcome, str):
-        future.set_exception(GrammarError(outcome))
+    if isinstance(outcome, str):  # llguidance's message; its first line is the reason
+        future.set_exception(GrammarError(outcome.strip().splitlines()[0] if outcome else ""))
     else:
         future.set_result(Grammar(text, outcome))
     return future
