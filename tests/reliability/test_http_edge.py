@@ -295,3 +295,15 @@ def test_json_sent_as_a_form_like_curl_d_is_read_as_json(edge_server):
     )  # fmt: skip
     raw, _ = exchange(edge_server, data)
     assert parse(raw).status_code == 200, raw[:300]
+
+
+def test_an_unparsable_request_is_a_400_in_openai_shape(edge_server):
+    """uvicorn answers a request its parser cannot read in plain text; here it is JSON."""
+    raw, _ = exchange(edge_server, b"GET /health HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n")
+    err = assert_error(parse(raw), 400, code="invalid_request")
+    assert err["message"].startswith("invalid HTTP request")
+
+
+def test_the_openapi_schema_is_not_served(edge_server):
+    """It would list the /admin routes to anyone, with or without a key."""
+    assert_error(httpx.get(f"{edge_server.base_url}/openapi.json", timeout=10), 404)

@@ -139,6 +139,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        openapi_url=None,  # the schema would list /admin to anyone, key or not
     )
     errors.install(app)
     app.include_router(routes_openai.router)

@@ -41,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_follower(engine_config(settings))
     settings, generated = settings.with_admin_key()
-    if generated:
-        print(f"veloxquant-serve: admin key for this run: {settings.admin_key}", file=sys.stderr)
+    if generated:  # once, in the log's own format (a JSON line under --log-format json)
+        log.warning("no admin key set; generated one for this run: %s", settings.admin_key)
 
     if settings.gil_switch_interval_ms is not None:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)

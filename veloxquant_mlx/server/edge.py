@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from veloxquant_mlx.server.errors import error_body
 
 _REASONS = {
+    400: b"Bad Request",
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
@@ -142,6 +143,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # the next request's head, if any, starts here
 
     # Rejections
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn's answers plain text
+        """A request the parser cannot read: 400 in OpenAI's shape (``invalid_request``)."""
+        self._reject(400, f"invalid HTTP request: {msg.rstrip('.')}", "invalid_request")
 
     def _head_too_large(self) -> None:
         self._reject(

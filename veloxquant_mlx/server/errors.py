@@ -171,6 +171,7 @@ def install(app: FastAPI) -> None:
             message, code = "method not allowed on this endpoint", "method_not_allowed"
         else:
             message = str(exc.detail)
+            code = "invalid_request" if status == 400 else None
         return error_response(APIError(status, message, code=code, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
