@@ -79,7 +79,7 @@ def test_two_replicas_behind_smg_register_route_by_prefix_and_drain(
                      "--api-key", KEY)  # fmt: skip
     started: list[Server] = []
     try:
-        seen = until(lambda: len(workers(router)) == 2 and workers(router), 30, "2 workers")
+        seen = until(lambda: len(workers(router)) == 2 and workers(router), 90, "2 workers")
         assert set(seen) == {a.base_url, b.base_url}
         assert all(w["runtime_type"] == "mlx" for w in seen.values())
 
