@@ -36,12 +36,14 @@ class RequestFault:
     def record(self, where: str, exc: BaseException) -> None:
         """Remember the first failure (later ones are consequences)."""
         if self.error is None:
+            # One line: a grammar's error can carry the parser's state over many lines.
+            text = (str(exc).strip().splitlines() or [""])[0][:300]
             log.warning(
                 "request %d failed in its %s: %s: %s",
                 self.request_id,
                 where,
                 type(exc).__name__,
-                exc,
+                text,
             )
             self.error = f"generation failed in this request's {where} ({type(exc).__name__})"
             self.sink.append(self)
