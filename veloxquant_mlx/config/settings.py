@@ -172,6 +172,12 @@ class Settings(BaseSettings):
         description="Seconds a structured-output or forced-tool schema may take to compile "
         "(then 400).",
     )
+    stream_write_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a stream's client may take no data before the stream is cancelled "
+        "and its connection dropped.",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, le=16 << 20, description="Largest request line + headers (431)."

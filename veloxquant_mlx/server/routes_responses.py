@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
@@ -20,6 +19,7 @@ from veloxquant_mlx.server.errors import APIError, from_finish
 from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
+from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.tools import ToolCallSplitter, split
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
@@ -116,10 +116,11 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     if req.stream:
         first = await first_batch(request, st.engine, handle)
-        return StreamingResponse(
+        return DeadlineStreamingResponse(
             _events(st, built, handle, splitter, first, arrived),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            write_timeout=st.settings.stream_write_timeout,
         )
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None

@@ -28,6 +28,7 @@ from veloxquant_mlx.server.generation import (
     usage_json_many,
 )
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, CompletionRequest
+from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # max_tokens for a request that omits it, when the model states no context length.
@@ -184,7 +185,12 @@ async def sse_response(
     body_iter = stream_choices(
         st.engine, handles, st.metrics, arrived, chunk, include, usage, firsts
     )
-    return StreamingResponse(body_iter, media_type="text/event-stream", headers=_SSE_HEADERS)
+    return DeadlineStreamingResponse(
+        body_iter,
+        media_type="text/event-stream",
+        headers=_SSE_HEADERS,
+        write_timeout=st.settings.stream_write_timeout,
+    )
 
 
 def token_text(st: AppState, token: int) -> str:
