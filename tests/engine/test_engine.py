@@ -179,13 +179,16 @@ def test_a_request_that_outgrows_the_whole_pool_ends_with_length(make_engine):
 def test_the_queue_is_bounded(make_engine):
     engine = make_engine(n_blocks=2 * 160, max_queue=3, max_running=1)
     ps = prompts(engine, 8)
-    handles, rejected = [], 0
+    handles, rejected, messages = [], 0, []
     for p in ps:
         try:
             handles.append(engine.submit(request(p[:10], max_tokens=30)))
-        except QueueFullError:
+        except QueueFullError as exc:
             rejected += 1
+            messages.append(str(exc))
     assert rejected >= 1 and engine.stats().rejections_total.get("queue_full") == rejected
+    # the message counts what the bound counts: never more waiting than --max-queue
+    assert all(int(m.split()[0]) <= 3 and "sequences waiting" in m for m in messages), messages
     assert all(h.collect(60)[1].finish_reason == "length" for h in handles)
 
 

@@ -249,9 +249,13 @@ class Engine(HostBase):
         with ib.lock:
             if not self.ready or ib.draining:
                 raise self._refuse(EngineNotReadyError("the engine is draining"))
-            if ib.n_waiting + len(ib.adds) >= self.config.max_queue:
+            waiting = ib.n_waiting + len(ib.adds)  # the unit --max-queue counts
+            if waiting >= self.config.max_queue:
                 raise self._refuse(
-                    QueueFullError(f"{ib.n_waiting} requests waiting; try again later")
+                    QueueFullError(
+                        f"{waiting} sequences waiting, the most this server queues (each "
+                        "choice of each prompt is one); try again later"
+                    )
                 )
             self._next_request_id += 1
             handle = RequestHandle(self._next_request_id, request, sink, tag)
