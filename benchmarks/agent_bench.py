@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace, work: Path) -> list[str]:
                 "--max-tokens", str(args.max_tokens),
             ])  # fmt: skip
             rows = asyncio.run(agent.levels(lt))
-        rows = [agent.AgentSummary(**{**agent._asdict(r), "label": _name(r.label)}) for r in rows]
+        rows = [dataclasses.replace(r, label=_name(r.label)) for r in rows]
         lines.append(f"### {path.name}\n")
         lines += agent.table(sorted(rows, key=lambda r: (r.sessions, r.label)))
         lines += [f"\n{r.label} at {r.sessions}: {r.first_error}" for r in rows if r.first_error]

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -87,7 +88,6 @@ class KVPeak:
     """The most KV the server reported holding while the level ran (``/metrics``)."""
 
     peak: float | None = None
-    samples: list[float] = field(default_factory=list)
 
 
 async def _watch_kv(client: httpx.AsyncClient, url: str, out: KVPeak, stop: asyncio.Event) -> None:
@@ -282,12 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.label} at {r.sessions} sessions, first error: {r.first_error}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump([_asdict(r) for r in rows], fh, indent=1)
+            json.dump([dataclasses.asdict(r) for r in rows], fh, indent=1)
     return 0 if all(r.errors == 0 for r in rows) else 1
-
-
-def _asdict(row: AgentSummary) -> dict:
-    return {name: getattr(row, name) for name in row.__dataclass_fields__}
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     timeout = st.settings.grammar_timeout
-    tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer)
+    # Walking the tools' schemas is plain CPU: off the event loop, when there are any.
+    tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer) if body.tools else None
     grammar: Grammar | None
     if tool_text is not None:
         grammar = await compile_grammar(st.engine, tool_text, "tools", timeout)

@@ -98,6 +98,16 @@ def _n_optional(node: Any) -> int:
     return len(properties) - len(names & set(properties))
 
 
+def _unconstrained(param: str) -> APIError:
+    return APIError(
+        400,
+        "constrained decoding (structured outputs, forced tool calls) is not supported for "
+        "this model's tokenizer",
+        code="unsupported_value",
+        param=param,
+    )
+
+
 def _too_big(param: str, what: str) -> APIError:
     return APIError(400, f"the JSON schema {what}", code="invalid_value", param=param)
 
@@ -152,13 +162,7 @@ async def compile_grammar(engine: Any, text: str, param: str, timeout: float) ->
     """
     grammars = engine.grammars
     if grammars is None:
-        raise APIError(
-            400,
-            "constrained decoding (structured outputs, forced tool calls) is not supported for "
-            "this model's tokenizer",
-            code="unsupported_value",
-            param=param,
-        )
+        raise _unconstrained(param)
     try:
         future = grammars.submit(text)
     except GrammarBusyError:
@@ -198,12 +202,7 @@ async def grammar_for(fmt: ResponseFormat | None, engine: Any, timeout: float) -
         assert fmt.json_schema is not None
         schema, param = fmt.json_schema.schema_, "response_format.json_schema.schema"
     if engine.grammars is None:  # before any work on the schema
-        raise APIError(
-            400,
-            "structured outputs are not supported for this model's tokenizer",
-            code="unsupported_value",
-            param="response_format",
-        )
+        raise _unconstrained("response_format")
     # Walking and rewriting a large schema is plain CPU: off the event loop.
     text = await asyncio.to_thread(schema_grammar, schema, param)
     return await compile_grammar(engine, text, param, timeout)

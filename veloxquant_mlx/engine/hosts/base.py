@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer
 from veloxquant_mlx.engine.request.checks import static_problem
@@ -22,6 +22,9 @@ from veloxquant_mlx.engine.types import (
     GroupInfo,
     InvalidRequestError,
 )
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.core import Parts
 
 
 class HostBase:
@@ -73,7 +76,7 @@ class HostBase:
         if self._load_error is not None:
             raise self._load_error
 
-    def _loaded(self, info: EngineInfo, parts: Any = None) -> None:
+    def _loaded(self, info: EngineInfo, parts: Parts | None = None) -> None:
         """The engine is ready: keep its ``info`` and the tokenizer-side tools, taken from the
         loop's ``parts`` when the loop is in this process, else made from the tokenizer at
         ``info.model_path``. Raises what loading the tokenizer raises; ``wait_ready`` stays

@@ -182,9 +182,9 @@ class EngineCore:
             self._changed = True
         for seq, before in plan.grown:
             runner.grew(seq, before)
-        started = set(self._live.values())  # a request whose setup failed has ended
-        plan.together = [s for s in plan.together if s in started]
-        plan.chunks = [c for c in plan.chunks if c.seq in started]
+        if any(s.request_id not in self._live for s in plan.admitted):  # its setup failed
+            plan.together = [s for s in plan.together if s.request_id in self._live]
+            plan.chunks = [c for c in plan.chunks if c.seq.request_id in self._live]
         results = runner.prefill(plan)
         launched = runner.step(sched.max_block_id) if runner.rows else None
         sched.decoded(runner.rows)
@@ -214,17 +214,6 @@ class EngineCore:
         """A prefilled row joined: cache its prompt's full pages (``Runner.page_source``)."""
         if self.scheduler.cache is not None:
             self.scheduler.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
-
-    def _cache_row(self, seq: Seq) -> None:
-        """A row leaves (finish or preemption): cache the full pages it generated, where the
-        layout keeps them in the pool's blocks (paged). The dense layout does not: copying
-        pages out of its working set stops MLX from updating that set in place, which cost
-        37% of the throughput at 128 clients on the H200 (BENCHMARKS.md, "Prefix caching");
-        there the next turn hits through the previous prompt, and prefills the answer."""
-        if self.scheduler.cache is None or not seq.decoding:
-            return
-        if self.scheduler.keeps_pages:
-            self.scheduler.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     def warm_up(self, waves: list[list[GenerationRequest]]) -> int:
         """Run ``waves`` of synthetic requests (``warmup``), each to its end, then drop what
@@ -300,7 +289,7 @@ class EngineCore:
         run: Running | None = seq.out
         try:
             if reason in ("stop", "length", "cancelled"):
-                self._cache_row(seq)
+                self.scheduler.cache_generated(seq)
             self.runner.remove(seq)
         finally:
             self.scheduler.finish(seq)

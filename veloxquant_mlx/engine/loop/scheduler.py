@@ -124,7 +124,6 @@ class Scheduler:
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
         self.n_layers = n_layers
         self.blocks = BlockMath(pool, n_layers)
-        self.block_size = pool.config.block_size
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
@@ -150,7 +149,9 @@ class Scheduler:
         taken: list[list[Any]] = []
         try:
             for stream in STREAMS:
-                taken.append(self.pool.allocate(stream, per_call * self.block_size, seq.request_id))
+                taken.append(
+                    self.pool.allocate(stream, per_call * self.blocks.block_size, seq.request_id)
+                )
         except BlockPoolExhaustedError:
             for blocks in taken:
                 self.pool.free(blocks, owner=seq.request_id)
@@ -202,6 +203,15 @@ class Scheduler:
         ``kv_of(index)`` gives a page's KV payload (None where the layout keeps it)."""
         if self.cache is not None and seq.table:
             self.cache.register(seq.pages, seq.tokens, n_tokens, seq.table, seq.request_id, kv_of)
+
+    def cache_generated(self, seq: Seq) -> None:
+        """A decoding row leaves (finish or preemption): cache the full pages it generated,
+        where the layout keeps them in the pool's blocks (``keeps_pages``). The dense layout
+        does not: copying pages out of its working set stops MLX from updating that set in
+        place, which cost 37% of the throughput at 128 clients on the H200 (BENCHMARKS.md,
+        "Prefix caching"); there the next turn hits through the previous prompt."""
+        if self.keeps_pages and seq.decoding:
+            self.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     def reset_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""
@@ -270,7 +280,7 @@ class Scheduler:
             self.cache.release(hits)
             seq.table = []
             return False
-        n_hit = len(hits) * self.block_size
+        n_hit = len(hits) * self.blocks.block_size
         seq.pages = SeqPages(list(hits), len(hits), hits[-1].serial, seq.pages.n_cached)
         if seq.preemptions == 0:  # what the client's prompt found: usage.cached_tokens
             seq.pages.n_cached = n_hit
@@ -286,8 +296,7 @@ class Scheduler:
         """Free ``seq``'s blocks and put it back at the head of the queue. What it computed
         stays cached (evictable) where the layout keeps pages in their blocks: its return may
         hit it."""
-        if self.keeps_pages and seq.decoding:
-            self.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
+        self.cache_generated(seq)
         self.running.remove(seq)
         self.release(seq)
         seq.preemptions += 1
@@ -319,7 +328,7 @@ class Scheduler:
         is out, preempt the newest running request. A request that outgrows the whole pool
         alone goes to ``plan.outgrown``."""
         for seq in [s for s in self.running if s.decoding]:
-            while seq in self.running:
+            while seq.decoding:  # until it has room; False once preempted (released)
                 before = seq.n_blocks
                 if self.grow(seq, seq.n_kv + 1):
                     if seq.n_blocks != before:
