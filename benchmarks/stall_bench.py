@@ -1,10 +1,11 @@
 """How long a long prompt arriving pauses the streams already decoding, per prefill budget.
 
-    python -m benchmarks.stall_bench [--model embedded|100m] [--budgets 2048,1024,512,256]
+    python -m benchmarks.stall_bench [--model embedded|100m] [--budgets auto,2048,512,64]
         [--prompt-tokens 1900] [--streams 2] [--repeats 3]
 
-For each budget it starts our server (``--prefill-budget B``, ``--prefill-step`` at most B,
-``--stream-interval-ms 0`` so every token is seen as it is made) and measures:
+For each budget it starts our server (``--prefill-budget B``, the prompt tokens a step carries
+beside decoding rows; ``auto`` leaves it to the backend's default; ``--stream-interval-ms 0``
+so every token is seen as it is made) and measures:
 
 - the long prompt's cold prefill alone: TTFT of a fresh prompt of ``--prompt-tokens`` tokens;
 - the stall: ``--streams`` streams decoding, then a fresh long prompt arrives; the longest gap
@@ -99,7 +100,7 @@ async def measure(base: str, prompt_tokens: int, streams: int, seed: int) -> dic
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded", choices=("embedded", "100m"))
-    p.add_argument("--budgets", default="2048,1024,512,256")
+    p.add_argument("--budgets", default="auto,2048,512,64")
     p.add_argument("--prompt-tokens", type=int, default=1900)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -109,12 +110,13 @@ def main() -> None:
     rows = []
     try:
         path = model_dir(args.model, work)
-        for budget in (int(b) for b in args.budgets.split(",")):
+        for budget in args.budgets.split(","):
             port = free_port()
             cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
                    "--port", str(port), "--admin-key", "stall-bench-admin",
-                   "--prefill-budget", str(budget), "--prefill-step", str(min(512, budget)),
                    "--stream-interval-ms", "0", "--no-prefix-caching"]  # fmt: skip
+            if budget != "auto":
+                cmd += ["--prefill-budget", budget]
             with server(cmd, port, ours_env, work / f"ours-{budget}.log"):
                 base = f"http://127.0.0.1:{port}"
                 runs = [

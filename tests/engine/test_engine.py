@@ -352,7 +352,9 @@ def test_a_prompt_one_chunk_holds_goes_in_whole_not_split_by_the_budget_left(mak
             box["spy"] = runner.model = _Widths(runner.model)
         gate.wait(30)
 
-    engine = make_engine(prefill_budget=100, prefix_caching=False, step_hook=hook)
+    engine = make_engine(
+        prefill_budget=100, idle_prefill_budget=100, prefix_caching=False, step_hook=hook
+    )
     box["engine"] = engine
     ps = [(p * 60)[:60] for p in prompts(engine, 3)]
     handles = [engine.submit(request(p, max_tokens=4)) for p in ps]

@@ -158,3 +158,31 @@ def test_a_step_batch_masks_only_what_some_row_must_not_see():
     ragged = StepBatch([6, 2])
     assert not ragged.uniform
     assert ragged.mask(None)[1, 0, 0].tolist() == [True] * 3 + [False] * 4
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_conversations_next_turn_hits_and_matches_stock_caches(arch_model, layout):
+    """Prefix caching for every attention kind (sliding-window layers included: a page holds
+    its positions' KV whatever window reads it): turn 2 resends turn 1's prompt and answer,
+    finds them cached, and decodes stock's tokens for the whole conversation."""
+    path, model = arch_model
+    rng = random.Random(9)
+    engine = Engine(EngineConfig(model=str(path), kv_layout=layout, kv_cache_mb=16)).start()
+    try:
+        engine.wait_ready(120)
+        greedy = SamplingParams(temperature=0.0)
+        prompt = [rng.randrange(3, 2000) for _ in range(37)]
+        for turn in range(3):
+            tokens, finish = engine.submit(GenerationRequest(tuple(prompt), 12, greedy)).collect(
+                120
+            )
+            assert isinstance(finish, FinishEvent)
+            answer = [t.token_id for t in tokens]
+            assert answer == stock_tokens(model, prompt, 12)
+            if turn:  # the previous prompt and answer, in full pages
+                assert finish.usage.cached_tokens == (len(prompt) - 5) // 16 * 16
+            prompt = prompt + answer + [rng.randrange(3, 2000) for _ in range(5)]
+        wait_idle(engine)
+        assert_engine_all_free(engine)
+    finally:
+        engine.shutdown(5)

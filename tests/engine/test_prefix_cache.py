@@ -77,24 +77,53 @@ def test_hits_give_the_same_greedy_tokens_alone_and_batched(make_engine, layout)
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged", "fused"])
-def test_the_next_turn_hits_through_the_previous_turns(make_engine, layout):
+def test_the_next_turn_hits_through_the_previous_answer(make_engine, layout):
     engine = make_engine(kv_cache_mb=32, **LAYOUTS[layout])
+    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefix_caching=False)
     rng = random.Random(8)
     prompt = words(rng, 20)
     [(answer, cached, reason, _)] = run(engine, [prompt], max_tokens=40)
     assert (cached, reason) == (0, "length") and len(answer) == 40
     turn2 = prompt + answer + words(rng, 6)
     [(answer2, cached2, _, _)] = run(engine, [turn2], max_tokens=12)
-    # paged (fused too): the answer's full pages were cached when it ended (20 + 40 tokens
-    # -> 3 blocks);
-    # dense: only prompts are cached (1 block of the first prompt)
-    assert cached2 == (1 if layout == "dense" else 3) * BS
+    # the answer's full pages were cached when it ended: 20 + 40 tokens -> 3 blocks (only 1
+    # if the prompt alone were cached)
+    assert cached2 == 3 * BS
     turn3 = turn2 + answer2 + words(rng, 3)
     [(tokens3, cached3, _, _)] = run(engine, [turn3])
-    # either way the third turn hits through the second prompt, which holds the first answer
-    assert cached3 >= len(turn2) // BS * BS
-    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefix_caching=False)
+    assert cached3 == (len(turn2) + len(answer2)) // BS * BS
+    assert run(plain, [turn2], max_tokens=12)[0][0] == answer2
     assert run(plain, [turn3])[0][0] == tokens3
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_answers_cached_from_a_batch_change_no_token(make_engine, layout):
+    """Rows that leave a batch of four (dense: from their slots of the working set, while the
+    others go on decoding) are cached; their next turns, batched again, decode as uncached."""
+    engine = make_engine(kv_cache_mb=32, **LAYOUTS[layout])
+    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefix_caching=False)
+    rng = random.Random(11)
+    prompts = [words(rng, 10 + 7 * i) for i in range(4)]
+    handles = [
+        engine.submit(GenerationRequest(tuple(p), 20 + 9 * i, GREEDY))
+        for i, p in enumerate(prompts)
+    ]
+    answers = [[t.token_id for t in h.collect(120)[0]] for h in handles]
+    turns = [p + a + words(rng, 5) for p, a in zip(prompts, answers, strict=True)]
+    got = run(engine, turns)
+    whole = [len(p) + len(a) for p, a in zip(prompts, answers, strict=True)]
+    assert [r[1] for r in got] == [n // BS * BS for n in whole]
+    assert [r[0] for r in got] == [r[0] for r in run(plain, turns)]
+    wait_idle(engine)
+
+
+def test_answers_are_not_cached_when_turned_off(make_engine):
+    engine = make_engine(kv_cache_mb=32, prefix_cache_answers=False)
+    rng = random.Random(8)
+    prompt = words(rng, 20)
+    [(answer, _, _, _)] = run(engine, [prompt], max_tokens=40)
+    [(_, cached2, _, _)] = run(engine, [prompt + answer + words(rng, 6)], max_tokens=4)
+    assert cached2 == 1 * BS  # the prompt's one full page only
 
 
 def test_cached_blocks_are_evicted_before_anyone_is_refused(make_engine):

@@ -15,11 +15,14 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_the_waves_cover_every_batch_size_and_a_chunked_prompt():
-    waves = warm_up_waves(max_running=12, prefill_step=64, context_window=2048, vocab_size=2048)
+    waves = warm_up_waves(
+        max_running=12, prefill_step=64, context_window=2048, vocab_size=2048, prefill_budget=48
+    )
     sizes = [len(w) for w in waves]
     assert sizes[:5] == [1, 2, 4, 8, 12]
     lengths = [len(r.prompt_tokens) for w in waves for r in w]
-    assert 64 in lengths and 2 * 64 + 8 in lengths  # one chunk, and several
+    # one chunk of either width (the budget beside decoding, the step), and several
+    assert 48 in lengths and 64 in lengths and 2 * 64 + 8 in lengths
     prompts = [r.prompt_tokens for w in waves for r in w if not r.sampling.greedy]
     assert prompts and all(0 < t < 2048 for p in prompts for t in p)
     decode = [r.prompt_tokens for w in waves[:5] for r in w]

@@ -63,8 +63,17 @@ class Settings(BaseSettings):
         8, ge=1, le=128, description="Choices per request at most (n), and prompts per request."
     )
     prefill_step: int = Field(512, ge=16, description="Prompt tokens per prefill chunk.")
-    prefill_budget: int = Field(
-        2048, ge=16, description="Prompt tokens prefilled between two decode steps at most."
+    prefill_budget: int | None = Field(
+        None,
+        ge=16,
+        description="Prompt tokens prefilled per step at most while other requests decode (a "
+        "long prompt arriving pauses their streams for a step of about this many tokens); "
+        "unset: the measured choice per backend (64 on a CPU, 512 on a GPU).",
+    )
+    idle_prefill_budget: int = Field(
+        2048,
+        ge=16,
+        description="Prompt tokens prefilled per step at most while no request decodes.",
     )
     warm_up: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -94,6 +103,20 @@ class Settings(BaseSettings):
         True,
         description="Share full KV blocks between requests with the same prompt prefix "
         "(cached blocks no request holds are evicted, LRU, before any allocation fails).",
+    )
+    prefix_cache_answers: bool = Field(
+        True,
+        description="Cache a finished request's generated pages too, so a conversation's next "
+        "turn, which resends the answer, prefills only its new tokens (needs --prefix-caching).",
+    )
+    prefix_cache_dir: str | None = Field(
+        None,
+        description="Keep the prefix cache's pages on disk here too (written as they leave "
+        "memory and at a clean stop, loaded on a hit), so conversations survive a restart; "
+        "keyed by the model's files, the KV dtype and the block size.",
+    )
+    prefix_cache_disk_gb: float = Field(
+        10.0, gt=0, description="Disk the --prefix-cache-dir pages may use (LRU beyond)."
     )
     engine_process: bool = Field(
         False,

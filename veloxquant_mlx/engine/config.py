@@ -21,9 +21,14 @@ class EngineConfig:
     max_running: int = 32
     max_queue: int = 256
     prefill_step: int = 512
-    # Prompt tokens prefilled per engine turn at most (padding included), between decode
-    # steps: more starts a burst sooner, less keeps running streams smoother.
-    prefill_budget: int = 2048
+    # Prompt tokens prefilled per engine turn at most (padding included) while some request
+    # decodes: each step carries its decode and at most this much prefill, so a long prompt
+    # arriving pauses the running streams for one such step at a time. None: the measured
+    # choice per backend (loader.PREFILL_BUDGET). More starts a burst sooner, less keeps
+    # running streams smoother.
+    prefill_budget: int | None = None
+    # ... and while no request decodes (nobody's stream waits on the step).
+    idle_prefill_budget: int = 2048
     # Run the shapes the engine will meet before it is ready (loop/warmup.py), so that no
     # request pays a kernel compile: "on", "off", or "auto" (on a GPU). Not in a group (the
     # ranks step together from rank 0).
@@ -49,6 +54,14 @@ class EngineConfig:
     launch_after_previous: bool | None = None
     # Share full KV blocks between requests with the same token prefix (loop/prefix_cache.py).
     prefix_caching: bool = True
+    # Cache a leaving row's generated pages too (the next turn resends the answer). In the
+    # dense layout this copies them out of the working set as the row leaves.
+    prefix_cache_answers: bool = True
+    # The prefix cache's disk tier (loop/disk_tier.py): pages leaving memory, and every
+    # cached page at a clean stop, are written under this directory and loaded back on a
+    # hit, so a conversation survives a restart; capped at ``prefix_cache_disk_gb``.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float = 10.0
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2

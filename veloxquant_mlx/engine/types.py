@@ -203,6 +203,13 @@ class StepSnapshot:
     prefix_queries_total: int = 0  # prompt tokens looked up
     prefix_hits_total: int = 0  # of them, found cached
     prefix_evictions_total: int = 0  # cached pages evicted (pressure, shrink, reset)
+    prefix_disk: bool = False  # the disk tier is on (--prefix-cache-dir)
+    prefix_disk_pages: int = 0  # pages on disk
+    prefix_disk_bytes: int = 0  # their bytes
+    prefix_disk_hits_total: int = 0  # pages loaded from disk
+    prefix_disk_writes_total: int = 0  # pages written
+    prefix_disk_dropped_total: int = 0  # pages not written (the writer behind, a failed write)
+    prefix_disk_skipped_total: int = 0  # files refused at load (corrupt, foreign)
     waiting_tokens: int = 0  # prompt tokens the waiting requests still have to prefill
     # False once a shrink left the pool unable to hold the smallest request the engine was
     # started to serve (``EngineConfig.min_request_tokens``): /ready then answers 503

@@ -101,7 +101,7 @@ class DenseKV:
         w = batch.read_width  # <= capacity: begin_step grew it to width + 1 in SLOT_CHUNKs
         return k[:rows, :, :w], v[:rows, :, :w]
 
-    keeps_pages = False  # cached pages keep their own copy of the KV (taken at prefill)
+    keeps_pages = False  # cached pages keep their own copy of the KV (prefill's, row_span's)
     # Launched ahead, a step's writes may copy a layer's rows when the previous step still
     # reads them; measured cheaper than waiting (BENCHMARKS.md, "The paged store launched
     # after the previous step").
@@ -130,6 +130,13 @@ class DenseKV:
                 pair.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
             out.append((pair[0], pair[1]))
         return out
+
+    def row_span(self, row: int, start: int, end: int) -> list[tuple[mx.array, mx.array]]:
+        """Row ``row``'s KV at positions ``start:end`` per layer (views; the caller copies)."""
+        return [
+            (k[row : row + 1, :, start:end], v[row : row + 1, :, start:end])
+            for k, v in zip(self.k, self.v, strict=True)
+        ]
 
     def clear(self) -> None:
         """Drop the working set (the batch is empty): its memory goes back to MLX."""

@@ -17,7 +17,8 @@ class KVLayout(Protocol):
     A row joins with ``put_row``, gets blocks with ``set_table`` and leaves with ``set_hole``;
     each step is ``step_batch`` -> ``begin_step`` -> ``write_read`` per layer (through
     ``kv.step.StepCache``). ``keeps_pages``: a cached page's KV stays in the pool's blocks (no
-    copy to cache it). ``fused``: attention reads the layout itself (``PagedKV.attend``).
+    copy to cache it); where it does not, ``row_span`` reads a leaving row's KV to copy.
+    ``fused``: attention reads the layout itself (``PagedKV.attend``).
     ``launch_after_previous``: a step is launched once the previous one has let go of its
     inputs (BENCHMARKS.md, "The paged store launched after the previous step").
     """
@@ -45,6 +46,8 @@ class KVLayout(Protocol):
     ) -> tuple[mx.array, mx.array]: ...
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]: ...
+
+    def row_span(self, row: int, start: int, end: int) -> list[tuple[mx.array, mx.array]]: ...
 
     def clear(self) -> None: ...
 

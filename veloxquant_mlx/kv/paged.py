@@ -274,6 +274,10 @@ class PagedKV:
     # write"): a step is launched once the previous one is done (its graph is built meanwhile).
     launch_after_previous = True
 
+    def row_span(self, row: int, start: int, end: int) -> list[tuple[mx.array, mx.array]]:
+        """Never needed: a row's pages are cached in their blocks (``keeps_pages``)."""
+        raise NotImplementedError("the paged layout caches pages in place")
+
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
         """The cached pages' KV through their block ids, per layer: ``[1, H, pages * bs, D]``."""
         self._flush()  # a page registered at a row's end may hold the last step's tokens

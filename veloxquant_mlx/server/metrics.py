@@ -174,6 +174,37 @@ class EngineCollector(Collector):
                 "Cached pages (a block per layer for K and V) evicted.",
                 stats.prefix_evictions_total,
             )
+        if stats.prefix_disk:
+            yield _gauge(
+                "veloxquant_prefix_cache_disk_pages",
+                "Prefix-cache pages on disk (--prefix-cache-dir).",
+                stats.prefix_disk_pages,
+            )
+            yield _gauge(
+                "veloxquant_prefix_cache_disk_bytes",
+                "Bytes of the prefix-cache pages on disk.",
+                stats.prefix_disk_bytes,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_disk_hits_total",
+                "Pages loaded from disk into a request's prefill.",
+                stats.prefix_disk_hits_total,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_disk_writes_total",
+                "Pages written to disk.",
+                stats.prefix_disk_writes_total,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_disk_dropped_total",
+                "Pages not written (the writer was behind, or a write failed).",
+                stats.prefix_disk_dropped_total,
+            )
+            yield _counter(
+                "veloxquant_prefix_cache_disk_skipped_total",
+                "Files refused at load (corrupt, truncated, or another model's).",
+                stats.prefix_disk_skipped_total,
+            )
 
         if self.compat == "vllm":
             yield from _vllm_aliases(view, self.model_name, engine.kv_layers)

@@ -66,6 +66,7 @@ def build_parts(rt: loader.Runtime) -> Parts:
         kv_bytes_per_block=rt.kv_bytes_per_block,
         token_bytes=token_bytes,
         tokenizer=rt.tokenizer,
+        disk=rt.disk,
     )
 
 
@@ -154,6 +155,7 @@ class Engine(HostBase):
             )
         finally:
             self._inbox.alive = False
+            self._core.persist_cache()
             self._core.release_everything()
             # MLX needs its thread-local streams cleared before the thread ends, or the process
             # aborts at exit ("terminate called without an active exception").
@@ -185,6 +187,7 @@ class Engine(HostBase):
                     self.config.prefill_step,
                     info.context_window,
                     info.vocab_size,
+                    self._core.scheduler.prefill_budget,
                 )
             )
             log.info("warmed up: %d requests in %.1f s", n, time.monotonic() - started)

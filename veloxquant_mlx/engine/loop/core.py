@@ -27,6 +27,7 @@ from veloxquant_mlx.engine.loop.commands import (
     Shrink,
     Turn,
 )
+from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
 from veloxquant_mlx.engine.loop.group import Group
 from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
 from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
@@ -67,6 +68,7 @@ class Parts:
     kv_bytes_per_block: int
     token_bytes: list[bytes] | None = None
     tokenizer: Any = None  # the host's, for the routes (the loop decodes through its parts)
+    disk: DiskTier | None = None  # the prefix cache's disk tier (--prefix-cache-dir)
 
 
 class EngineCore:
@@ -220,6 +222,11 @@ class EngineCore:
         they left: cached pages, counters, the published snapshot. Before the engine is ready
         (nothing else runs). Returns how many requests ran."""
         n = 0
+        sched, cache = self.scheduler, self.scheduler.cache
+        hooks = (sched.load_disk, None if cache is None else cache.on_evict)
+        sched.load_disk = None  # the synthetic prompts neither read nor write the disk tier
+        if cache is not None:
+            cache.on_evict = None
         for wave in waves:
             for request in wave:
                 handle = RequestHandle(WARM_UP_ID + n, request)
@@ -230,6 +237,9 @@ class EngineCore:
             while self._busy() or self._inflight:
                 self._turn()
         self.scheduler.reset_cache()
+        sched.load_disk = hooks[0]
+        if cache is not None:
+            cache.on_evict = hooks[1]
         self.scheduler.preemptions = 0
         if self.scheduler.cache is not None:
             self.scheduler.cache.counts = CacheCounts()
@@ -358,7 +368,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         self._changed = False
-        snap = snapshot_of(self.scheduler, self.runner, self._holds_a_request)
+        snap = snapshot_of(self.scheduler, self.runner, self._holds_a_request, self.parts.disk)
         with self.inbox.lock:
             self.inbox.snapshot = snap
             self.inbox.n_waiting = snap.waiting
@@ -391,6 +401,22 @@ class EngineCore:
         for future in [*futures, *(f for _, f in commands)]:
             if not future.done():
                 future.set_exception(EngineNotReadyError(message))
+
+    def persist_cache(self) -> None:
+        """At a stop: every cached page to the disk tier (those it lacks), then wait for its
+        writer (bounded). A failure is logged: it never stops the shutdown."""
+        disk, cache = self.parts.disk, self.scheduler.cache
+        if disk is None:
+            return
+        try:
+            if cache is not None:
+                pages = cache.pages()
+                save_pages(disk, self.runner.kv, pages)
+                log.info("prefix cache: %d pages kept on disk", len(pages))
+        except Exception as exc:
+            log.warning("prefix cache: pages not written at stop (%s)", type(exc).__name__)
+        finally:
+            disk.close()
 
     def release_everything(self) -> None:
         pool = self.scheduler.pool

@@ -13,6 +13,7 @@ from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import StepSnapshot
 
 if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.disk_tier import DiskTier
     from veloxquant_mlx.engine.loop.runner import Runner
     from veloxquant_mlx.engine.loop.scheduler import Scheduler
 
@@ -27,7 +28,9 @@ class Counters:
     failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
 
 
-def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> StepSnapshot:
+def snapshot_of(
+    sched: Scheduler, runner: Runner, holds_a_request: bool, disk: DiskTier | None = None
+) -> StepSnapshot:
     """The engine as it is after a turn (engine thread)."""
     cache = None if sched.cache is None else sched.cache.refresh_counts()
     extra: dict[str, Any] = {}
@@ -40,6 +43,16 @@ def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> Step
             "prefix_hits_total": cache.hits,
             "prefix_evictions_total": cache.evictions,
         }
+    if disk is not None:
+        extra.update(
+            prefix_disk=True,
+            prefix_disk_pages=disk.n_pages(),
+            prefix_disk_bytes=disk.bytes,
+            prefix_disk_hits_total=disk.hits,
+            prefix_disk_writes_total=disk.writes,
+            prefix_disk_dropped_total=disk.dropped,
+            prefix_disk_skipped_total=disk.skipped,
+        )
     return StepSnapshot(
         running=len(sched.running),
         waiting=len(sched.waiting),

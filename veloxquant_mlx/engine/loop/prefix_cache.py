@@ -20,7 +20,9 @@ Owned by the scheduler (engine thread only); the snapshot publishes its counts.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import hashlib
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,12 @@ from veloxquant_mlx.pool import BlockPoolAllocator
 
 CACHE_OWNER = -1  # the pool owner of every cached block (request ids count up from 1)
 ROOT = 0  # the parent serial of a sequence's first page
+
+
+def chain(parent: bytes, tokens: Iterable[int]) -> bytes:
+    """A page's digest: its parent's digest and its own tokens (the disk tier's key; the
+    first page's parent is the cache's root, the engine's fingerprint)."""
+    return hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in tokens)).digest()
 
 
 @dataclass(eq=False, slots=True)
@@ -40,6 +48,7 @@ class Page:
     blocks: list[Any]  # the pool's Block objects, for freeing
     kv: Any = None  # the runner's copy of the page's K/V when the layout does not keep it
     refs: int = 0
+    digest: bytes = b""  # the hash chain of its tokens and all before (``chain``)
 
 
 @dataclass(slots=True)
@@ -62,6 +71,7 @@ class SeqPages:
     held: list[Page] = field(default_factory=list)
     n_known: int = 0  # pages 0..n_known-1 are cached (held by it, or a duplicate someone holds)
     tail: int = ROOT  # the serial of page n_known - 1's cached twin
+    tail_digest: bytes | None = None  # its digest (None: the cache's root)
     n_cached: int = 0  # prompt tokens its first admission found cached (usage.cached_tokens)
 
 
@@ -73,8 +83,11 @@ class PrefixCache:
         n_layers: Layers of the model (a page is ``2 * n_layers`` blocks).
     """
 
-    def __init__(self, pool: BlockPoolAllocator, n_layers: int) -> None:
+    def __init__(self, pool: BlockPoolAllocator, n_layers: int, root: bytes = b"") -> None:
         self.pool = pool
+        self.root = root  # the first page's parent digest
+        # Called with each page about to be evicted (its KV still there): the disk tier's.
+        self.on_evict: Callable[[list[Page]], None] | None = None
         self.block_size = pool.config.block_size
         self.blocks_per_page = 2 * n_layers
         self._pages: dict[tuple[int, tuple[int, ...]], Page] = {}
@@ -135,8 +148,10 @@ class PrefixCache:
         if end <= seq.n_known:
             return
         mine = {b.block_id: b for b in self.pool.blocks_for(owner)}
+        digest = self.root if seq.tail_digest is None else seq.tail_digest
         for i in range(seq.n_known, end):
             key = (seq.tail, tuple(tokens[i * bs : (i + 1) * bs]))
+            digest = chain(digest, key[1])
             page = self._pages.get(key)
             if page is None:
                 ids = [column[i] for column in table]
@@ -144,11 +159,11 @@ class PrefixCache:
                 if len(blocks) != len(ids):  # not all its own (cannot happen): leave it
                     break
                 self._serial += 1
-                page = Page(self._serial, key, ids, blocks, kv_of(i), refs=1)
+                page = Page(self._serial, key, ids, blocks, kv_of(i), refs=1, digest=digest)
                 self.pool.transfer(blocks, owner=owner, new_owner=CACHE_OWNER)
                 self._pages[key] = page
                 seq.held.append(page)
-            seq.tail = page.serial
+            seq.tail, seq.tail_digest = page.serial, digest
             seq.n_known = i + 1
 
     # ------------------------------------------------------------------ eviction
@@ -156,6 +171,8 @@ class PrefixCache:
     def evict(self, n_pages: int) -> int:
         """Drop up to ``n_pages`` unreferenced pages, least recently used first; returns how
         many went (their blocks are free in the pool)."""
+        if self.on_evict is not None and self._lru:
+            self.on_evict(list(itertools.islice(self._lru.values(), n_pages)))
         gone = 0
         while gone < n_pages and self._lru:
             _, page = self._lru.popitem(last=False)

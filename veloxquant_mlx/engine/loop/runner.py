@@ -140,13 +140,26 @@ class Runner:
         return sampled
 
     def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
-        """Fresh prefill caches, holding the KV of the ``n_cached`` tokens of cached pages
-        ``seq`` starts with (found at admission)."""
+        """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
+        with (found at admission): its cached pages', then what the disk tier loaded."""
         caches = [KVCache() for _ in range(self._n_layers)]
-        if n_cached:
-            layers = self.kv.read_pages(seq.pages.held[: n_cached // self.block_size])
-            for cache, (k, v) in zip(caches, layers, strict=True):
-                cache.keys, cache.values, cache.offset = k, v, k.shape[2]
+        if not n_cached:
+            return caches
+        n_pages = seq.pages.n_known
+        layers = self.kv.read_pages(seq.pages.held[:n_pages]) if n_pages else []
+        loaded, seq.preloaded = seq.preloaded, None
+        if loaded is not None:
+            layers = (
+                [
+                    (mx.concatenate([a[0], b[0]], axis=2), mx.concatenate([a[1], b[1]], axis=2))
+                    for a, b in zip(layers, loaded, strict=True)
+                ]
+                if layers
+                else loaded
+            )
+        assert layers[0][0].shape[2] == n_cached, "a prefill starts where its KV ends"
+        for cache, (k, v) in zip(caches, layers, strict=True):
+            cache.keys, cache.values, cache.offset = k, v, k.shape[2]
         return caches
 
     def prefill_together(self, seqs: list[Seq]) -> Sampled:
@@ -191,11 +204,24 @@ class Runner:
             self.on_join(seq, layers)
 
     def page_source(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> Any:
-        """What the prefix cache keeps for the joined ``seq``'s page ``i`` (``kv_of(i)``):
-        nothing where the layout keeps pages in the pool's blocks (paged); in the dense layout,
-        one copy per layer and stream of the new pages' span, made on the first call and
-        evaluated with the next launch (pages point into it: a few copies per request, not one
-        per page and layer)."""
+        """What the prefix cache keeps for the joined ``seq``'s prompt page ``i``
+        (``kv_of(i)``): nothing where the layout keeps pages in the pool's blocks (paged); in
+        the dense layout, one copy per layer and stream of the new pages' span, made on the
+        first call and evaluated with the next launch (pages point into it: a few copies per
+        request, not one per page and layer)."""
+        return self._span_source(
+            seq, lambda a, b: [(k[:, :, a:b], v[:, :, a:b]) for k, v in layers]
+        )
+
+    def row_pages(self, seq: Seq) -> Any:
+        """``kv_of`` for the pages a leaving row generated (``Scheduler.cache_generated``):
+        in the dense layout a copy out of the row's slot of the working set."""
+        if seq not in self.rows:
+            return lambda i: None
+        slot = self.rows.index(seq)
+        return self._span_source(seq, lambda a, b: self.kv.row_span(slot, a, b))
+
+    def _span_source(self, seq: Seq, read: Callable[[int, int], list[Any]]) -> Any:
         bs = self.block_size
         region: list[Any] = []  # [(first page index, [(k, v) per layer])]
 
@@ -203,11 +229,8 @@ class Runner:
             if self.kv.keeps_pages:
                 return None
             if not region:
-                end = seq.n_kv // bs * bs
-                span = [
-                    (mx.contiguous(k[:, :, i * bs : end]), mx.contiguous(v[:, :, i * bs : end]))
-                    for k, v in layers
-                ]
+                end = min(seq.n_kv, len(seq.tokens)) // bs * bs
+                span = [(mx.contiguous(k), mx.contiguous(v)) for k, v in read(i * bs, end)]
                 self.defer([x for pair in span for x in pair])
                 region.append((i, span))
             first, span = region[0]

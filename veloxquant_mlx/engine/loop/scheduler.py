@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ class Seq:
     preemptions: int = 0
     state: RowState | None = None
     pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
+    preloaded: Any = None  # KV the disk tier loaded past its pages (the runner takes it)
     out: Running | None = None
 
     @property
@@ -117,8 +119,9 @@ class Scheduler:
         prefix_caching: bool = False,
         *,
         prefill_step: int = 512,
-        prefill_budget: int = 2048,
-        keeps_pages: bool = False,
+        prefill_budget: int = 512,
+        idle_prefill_budget: int = 2048,
+        cache_answers: bool = True,
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
@@ -127,10 +130,15 @@ class Scheduler:
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
-        self.prefill_budget = prefill_budget  # prompt tokens per step at most
-        # The layout keeps a page's KV in its blocks: a preempted row's generated pages are
-        # cached as they are (the dense layout would have to copy them out: it does not).
-        self.keeps_pages = keeps_pages
+        self.prefill_budget = prefill_budget  # prompt tokens per step at most, rows decoding
+        self.idle_prefill_budget = max(prefill_budget, idle_prefill_budget)  # none decoding
+        # Cache a leaving row's generated pages too (``cache_generated``); ``row_pages`` is
+        # set by the engine to the runner's (the scheduler runs no MLX).
+        self.cache_answers = cache_answers
+        self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
+        # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set):
+        # (tokens, first page, its parent's digest, pages at most) -> (pages, their KV).
+        self.load_disk: Callable[[list[int], int, bytes, int], tuple[int, Any]] | None = None
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
         self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
@@ -193,6 +201,7 @@ class Scheduler:
             self.cache.release(seq.pages.held)
         n_cached = seq.pages.n_cached
         seq.pages = SeqPages(n_cached=n_cached)
+        seq.preloaded = None
         self.pool.free_all(seq.request_id)
         seq.table = []
         seq.n_kv = 0
@@ -205,13 +214,13 @@ class Scheduler:
             self.cache.register(seq.pages, seq.tokens, n_tokens, seq.table, seq.request_id, kv_of)
 
     def cache_generated(self, seq: Seq) -> None:
-        """A decoding row leaves (finish or preemption): cache the full pages it generated,
-        where the layout keeps them in the pool's blocks (``keeps_pages``). The dense layout
-        does not: copying pages out of its working set stops MLX from updating that set in
-        place, which cost 37% of the throughput at 128 clients on the H200 (BENCHMARKS.md,
-        "Prefix caching"); there the next turn hits through the previous prompt."""
-        if self.keeps_pages and seq.decoding:
-            self.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
+        """A decoding row leaves (finish, cancel or preemption): cache the full pages its KV
+        holds beyond its prompt's, so the next turn of a conversation, which resends the
+        answer, prefills only what is new. ``row_pages(seq)`` is the layout's ``kv_of`` for
+        the row (the runner's: nothing to copy where the layout keeps pages in the pool's
+        blocks, a copy out of the dense working set otherwise)."""
+        if self.cache is not None and seq.decoding and self.cache_answers:
+            self.register(seq, min(seq.n_kv, len(seq.tokens)), self.row_pages(seq))
 
     def reset_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""
@@ -265,26 +274,41 @@ class Scheduler:
         return self.cache.match(seq.tokens, len(seq.tokens) - 1)
 
     def _take(self, seq: Seq, hits: list[Any], n_tokens: int) -> bool:
-        """Give ``seq`` its cached pages and blocks for the rest of ``n_tokens``; False (and
-        nothing held) if the pool cannot."""
-        if not hits:
-            if not self.grow(seq, n_tokens):
-                return False  # counted when it is admitted, not at every try
-            if self.cache is not None and seq.preemptions == 0:
-                self.cache.count_lookup(len(seq.tokens), 0)
-            return True
-        assert self.cache is not None
-        self.cache.acquire(hits)
-        seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
+        """Give ``seq`` its cached pages, blocks for the rest of ``n_tokens`` and what the
+        disk tier holds past its pages (``load_disk``); False (and nothing held) if the pool
+        cannot."""
+        cache = self.cache
+        if hits:
+            assert cache is not None
+            cache.acquire(hits)
+            seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
         if not self.grow(seq, n_tokens):
-            self.cache.release(hits)
-            seq.table = []
-            return False
-        n_hit = len(hits) * self.blocks.block_size
-        seq.pages = SeqPages(list(hits), len(hits), hits[-1].serial, seq.pages.n_cached)
+            if hits:
+                assert cache is not None
+                cache.release(hits)
+                seq.table = []
+            return False  # counted when it is admitted, not at every try
+        if cache is None:
+            return True
+        bs = self.blocks.block_size
+        if hits:
+            seq.pages = SeqPages(
+                held=list(hits),
+                n_known=len(hits),
+                tail=hits[-1].serial,
+                tail_digest=hits[-1].digest,
+                n_cached=seq.pages.n_cached,
+            )
+        n_hit = len(hits) * bs
+        if self.load_disk is not None:
+            parent = hits[-1].digest if hits else cache.root
+            n_pages, seq.preloaded = self.load_disk(
+                seq.tokens, len(hits), parent, (len(seq.tokens) - 1) // bs
+            )
+            n_hit += n_pages * bs
         if seq.preemptions == 0:  # what the client's prompt found: usage.cached_tokens
             seq.pages.n_cached = n_hit
-            self.cache.count_lookup(len(seq.tokens), n_hit)
+            cache.count_lookup(len(seq.tokens), n_hit)
         seq.n_kv = n_hit  # the runner's prefill starts here, from the pages' KV
         return True
 
@@ -293,9 +317,8 @@ class Scheduler:
         return self.running[-1]
 
     def preempt(self, seq: Seq) -> None:
-        """Free ``seq``'s blocks and put it back at the head of the queue. What it computed
-        stays cached (evictable) where the layout keeps pages in their blocks: its return may
-        hit it."""
+        """Free ``seq``'s blocks and put it back at the head of the queue. The full pages it
+        computed stay cached (evictable): its return may hit them."""
         self.cache_generated(seq)
         self.running.remove(seq)
         self.release(seq)
@@ -343,13 +366,19 @@ class Scheduler:
                 plan.preempted.append(victim)
 
     def _plan_prefill(self, plan: StepPlan) -> None:
-        """Spend ``prefill_budget`` prompt tokens on the admitted rows not yet decoding, oldest
-        first: whole short prompts that have not started, together in one padded forward;
-        the rest a chunk at a time, a prompt that one chunk holds only whole (a forward costs
-        the host about the same whatever its width: a prompt the budget left cannot finish
-        waits for the next step, where it goes in whole, rather than go in as two forwards)."""
-        budget, step = self.prefill_budget, self.prefill_step
+        """Spend the prefill budget on the admitted rows not yet decoding, oldest first
+        (``prefill_budget`` while some row decodes: the step pauses its stream; else
+        ``idle_prefill_budget``): whole short prompts that have not started, together in one
+        padded forward; the rest a chunk at a time, a prompt that one chunk holds only whole
+        (a forward costs the host about the same whatever its width: a prompt the budget left
+        cannot finish waits for the next step, where it goes in whole, rather than go in as
+        two forwards)."""
         pending = [s for s in self.running if not s.decoding]
+        if not pending:
+            return
+        decoding = len(pending) < len(self.running)
+        budget = self.prefill_budget if decoding else self.idle_prefill_budget
+        step = self.prefill_step
         fresh: list[Seq] = []
         width = 0
         for seq in pending:

@@ -4,7 +4,8 @@ MLX compiles a kernel the first time it meets a shape (on a GPU: seconds for the
 a fresh install; later processes find them in its cache), so without this the first users of a
 new server pay those compiles on the request path. The engine runs, before ``ready``, waves of
 synthetic requests: every batch size from 1 up to ``max_running`` in powers of two, a prompt of
-one prefill chunk and one of several chunks, and a sampled request with penalties, top-k/top-p
+one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding) and one
+of several chunks, and a sampled request with penalties, top-k/top-p
 and logprobs; then it drops what they left (cached pages, counters). Engine thread only.
 """
 
@@ -31,10 +32,15 @@ def wanted(mode: str) -> bool:
 
 
 def warm_up_waves(
-    max_running: int, prefill_step: int, context_window: int | None, vocab_size: int
+    max_running: int,
+    prefill_step: int,
+    context_window: int | None,
+    vocab_size: int,
+    prefill_budget: int | None = None,
 ) -> list[list[GenerationRequest]]:
     """The warm-up's waves, run one after the other (each to its end, so each batch size is
-    met). Prompts differ from each other, so no prefix-cache hit changes a shape."""
+    met). Prompts differ from each other, so no prefix-cache hit changes a shape. The chunk
+    widths met are ``prefill_step`` and, while others decode, ``prefill_budget``."""
     waves: list[list[GenerationRequest]] = []
     serial = 0
 
@@ -52,7 +58,8 @@ def warm_up_waves(
     for size in sizes:
         waves.append([GenerationRequest(prompt(PROMPT), DECODE, greedy) for _ in range(size)])
     window = context_window or 1 << 30
-    for n in (prefill_step, 2 * prefill_step + PROMPT):
+    chunk = min(prefill_budget or prefill_step, prefill_step)
+    for n in sorted({chunk, prefill_step, 2 * prefill_step + PROMPT}):
         if n + DECODE <= window:
             waves.append([GenerationRequest(prompt(n), DECODE, greedy)])
     sampled = SamplingParams(

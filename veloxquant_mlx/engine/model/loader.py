@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.blocks import BlockMath
+from veloxquant_mlx.engine.loop.disk_tier import DiskTier, fingerprint, load_run, save_pages
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
@@ -24,6 +25,17 @@ from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
+
+
+# Prompt tokens a step carries at most while other rows decode, per backend, when
+# --prefill-budget is unset (DESIGN-NOTES.md, "Prefill beside decoding").
+PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
+
+
+def prefill_budget(cfg: EngineConfig) -> int:
+    if cfg.prefill_budget is not None:
+        return cfg.prefill_budget
+    return PREFILL_BUDGET["cpu" if mx.default_device() == mx.cpu else "gpu"]
 
 
 def model_path(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
@@ -120,6 +132,7 @@ class Runtime:
     vocab_size: int
     path: Path
     group: Group | None = None
+    disk: DiskTier | None = None
 
 
 def kv_layout(requested: str) -> str:
@@ -160,6 +173,44 @@ def fused_attention(
             "sinks); use --paged-attention gather"
         )
     return True
+
+
+def disk_tier(
+    cfg: EngineConfig,
+    scheduler: Scheduler,
+    runner: Runner,
+    geometry: KVGeometry,
+    path: Path,
+    in_group: bool,
+) -> DiskTier | None:
+    """The prefix cache's disk tier ``--prefix-cache-dir`` asks for, hooked into the
+    scheduler (loads at admission) and the cache (writes on eviction)."""
+    if cfg.prefix_cache_dir is None:
+        return None
+    cache = scheduler.cache
+    if cache is None:
+        raise ValueError("--prefix-cache-dir needs prefix caching (drop --no-prefix-caching)")
+    if in_group:
+        raise ValueError("--prefix-cache-dir is not supported across ranks")
+    parts = ("kv-pages-v1", geometry.dtype, geometry.n_layers_total, geometry.n_kv_heads,
+             geometry.head_dim, cfg.block_size)  # fmt: skip
+    fp = fingerprint(path, parts)
+    tier = DiskTier(
+        Path(cfg.prefix_cache_dir),
+        int(cfg.prefix_cache_disk_gb * 2**30),
+        fp,
+        geometry.n_layers_total,
+        getattr(mx, geometry.dtype),
+    )
+    cache.root = tier.root_digest
+    bs = cfg.block_size
+
+    def load(tokens: list[int], first: int, parent: bytes, limit: int) -> tuple[int, Any]:
+        return load_run(tier, tokens, first, parent, limit, bs)
+
+    scheduler.load_disk = load
+    cache.on_evict = lambda pages: save_pages(tier, runner.kv, pages)
+    return tier
 
 
 def build_runtime(cfg: EngineConfig) -> Runtime:
@@ -211,9 +262,12 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         cfg.max_queue,
         cfg.prefix_caching,
         prefill_step=cfg.prefill_step,
-        prefill_budget=cfg.prefill_budget,
-        keeps_pages=kv.keeps_pages,
+        prefill_budget=prefill_budget(cfg),
+        idle_prefill_budget=cfg.idle_prefill_budget,
+        cache_answers=cfg.prefix_cache_answers,
     )
+    scheduler.row_pages = runner.row_pages
+    disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
@@ -245,4 +299,5 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         vocab_size,
         path,
         group,
+        disk,
     )

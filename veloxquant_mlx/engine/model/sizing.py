@@ -22,6 +22,7 @@ class KVGeometry:
         head_dim: Width of a K or V head (the larger of the two).
         itemsize: Bytes per element of the KV dtype.
         context_window: The model's maximum positions, or None if it does not say.
+        dtype: The KV's dtype, by name ("float32", "bfloat16", ...).
     """
 
     n_layers: int
@@ -30,6 +31,7 @@ class KVGeometry:
     head_dim: int
     itemsize: int
     context_window: int | None
+    dtype: str = ""
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes behind one block: ``block_size`` slots of one layer's K (or V), one sequence."""
@@ -55,6 +57,7 @@ def probe_geometry(model: Any) -> KVGeometry:
         head_dim=dim,
         itemsize=plain[0].keys.dtype.size,
         context_window=int(window) if window else None,
+        dtype=str(plain[0].keys.dtype).rsplit(".", 1)[-1],
     )
 
 

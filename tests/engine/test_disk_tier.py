@@ -1,0 +1,118 @@
+"""The prefix cache's disk tier (``--prefix-cache-dir``) on the real engine: a conversation's
+pages survive a restart and give the same tokens as a cold prefill; pages evicted under
+pressure are written while serving; another model geometry never matches; corrupt, truncated
+and foreign files are skipped with one log line each and never served; the directory stays
+under its cap."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from tests.engine.conftest import wait_idle
+from veloxquant_mlx.engine.hosts.thread import Engine
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+BS = 16
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def turn(engine: Engine, prompt: list[int], n: int = 12) -> tuple[list[int], int]:
+    tokens, finish = engine.submit(GenerationRequest(tuple(prompt), n, GREEDY)).collect(120)
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+    return [t.token_id for t in tokens], finish.usage.cached_tokens
+
+
+def files(path) -> list:
+    return sorted(path.rglob("*.safetensors"))
+
+
+def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp_path):
+    rng = random.Random(3)
+    prompt = words(rng, 70)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    answer, _ = turn(first, prompt, 30)
+    first.shutdown(5)  # a clean stop writes every cached page
+    assert len(files(tmp_path)) == (70 + 30) // BS
+    turn_two = prompt + answer + words(rng, 9)
+    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    got, cached = turn(restarted, turn_two)
+    assert cached == (70 + 30) // BS * BS
+    stats = restarted.stats()
+    assert stats.prefix_disk and stats.prefix_disk_hits_total == (70 + 30) // BS
+    assert stats.prefix_disk_pages == (70 + 30) // BS and stats.prefix_disk_skipped_total == 0
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert got == turn(plain, turn_two)[0]
+    # loaded pages are cached in memory again: the next turn hits there, not on disk
+    third = turn_two + got + words(rng, 4)
+    assert turn(restarted, third)[1] == (len(turn_two) + len(got)) // BS * BS
+    assert restarted.stats().prefix_disk_hits_total == (70 + 30) // BS
+    wait_idle(restarted)
+
+
+def test_pages_evicted_under_pressure_are_written_and_found(make_engine, tmp_path):
+    rng = random.Random(4)
+    engine = make_engine(n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path))  # 40 pages
+    prompts = [words(rng, 300) for _ in range(3)]  # 18 full pages each: the first is evicted
+    for p in prompts:
+        turn(engine, p, 4)
+    wait_idle(engine)
+    written = files(tmp_path)
+    assert engine.stats().prefix_evictions_total > 0
+    assert 0 < len(written) <= engine.stats().prefix_disk_writes_total
+    again = prompts[0] + words(rng, 3)
+    got, cached = turn(engine, again, 4)
+    assert cached == 300 // BS * BS  # from disk (evicted from memory)
+    assert engine.stats().prefix_disk_hits_total > 0
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert got == turn(plain, again, 4)[0]
+
+
+def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path, caplog):
+    rng = random.Random(5)
+    prompt = words(rng, 80)  # 5 full pages; the last token is left to prefill
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    want, _ = turn(first, prompt)
+    first.shutdown(5)
+    pages = files(tmp_path)
+    assert len(pages) == (80 + 12) // BS
+    # which file is which page is not known from outside: break all but one
+    pages[0].write_bytes(b"not a safetensors file")
+    pages[1].write_bytes(pages[1].read_bytes()[:100])  # truncated
+    data = pages[2].read_bytes()
+    pages[2].write_bytes(data[:40] + b"{" + data[41:])  # its header broken
+    with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        got, cached = turn(restarted, prompt)
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert restarted.stats().prefix_disk_skipped_total == len(skipped) >= 1
+    assert all(str(tmp_path) not in r.getMessage() for r in skipped)
+    assert cached < 80 // BS * BS  # the chain stops at the first bad page
+    assert got == want
+    wait_idle(restarted)
+
+
+def test_another_geometry_never_matches(make_engine, tmp_path):
+    rng = random.Random(6)
+    prompt = words(rng, 64)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turn(first, prompt)
+    first.shutdown(5)
+    other = make_engine(kv_cache_mb=32, block_size=32, prefix_cache_dir=str(tmp_path))
+    assert turn(other, prompt + [5])[1] == 0
+    assert other.stats().prefix_disk_hits_total == 0
+
+
+def test_the_directory_stays_under_its_cap(make_engine, tmp_path):
+    rng = random.Random(7)
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path),
+                         prefix_cache_disk_gb=200_000 / 2**30)  # fmt: skip
+    for _ in range(4):
+        turn(engine, words(rng, 100), 4)
+    engine.shutdown(5)
+    total = sum(f.stat().st_size for f in files(tmp_path))
+    assert 0 < total <= 200_000  # a page is ~64 KB here: 25 pages written, at most 3 kept

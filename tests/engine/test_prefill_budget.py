@@ -1,0 +1,54 @@
+"""The prefill budget: a step carries at most ``prefill_budget`` prompt tokens while other
+rows decode (so a long prompt arriving pauses their streams for one such step at a time), and
+up to ``idle_prefill_budget`` while none does. Scheduler only (no model); the engine's streams
+under a long prompt are ``benchmarks.stall_bench``'s."""
+
+from __future__ import annotations
+
+from tests.conftest import assert_pool_all_free
+from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
+
+LAYERS, BLOCK = 2, 16
+
+
+def _seq(rid: int, n: int) -> Seq:
+    request = GenerationRequest(tuple(range(3, 3 + n)), 8, SamplingParams())
+    return Seq(RequestHandle(rid, request), list(request.prompt_tokens), n)
+
+
+def _planned(sched: Scheduler) -> list[int]:
+    """Prompt tokens each step prefills until every prompt is in (the runner's part done
+    by hand: a row whose prompt completes decodes from the next step)."""
+    widths = []
+    while any(not s.decoding for s in sched.running) or sched.waiting:
+        plan = sched.schedule()
+        widths.append(sum(c.n for c in plan.chunks) + sum(len(s.tokens) for s in plan.together))
+        sched.decoded([s for s in sched.running if s.decoding])
+    return widths
+
+
+def test_a_long_prompt_beside_a_decoding_row_goes_in_budget_sized_steps():
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK, n_blocks=2000))
+    sched = Scheduler(pool, LAYERS, 8, 64, prefill_step=512, prefill_budget=128)
+    running = _seq(1, 20)
+    sched.waiting.append(running)
+    assert _planned(sched) == [20]  # alone: the idle budget (2048) takes it whole
+    sched.waiting.append(_seq(2, 1000))
+    # beside a decoding row: 128 tokens a step, the last chunk the rest
+    assert _planned(sched) == [128] * 7 + [1000 - 7 * 128]
+    for seq in list(sched.running):
+        sched.finish(seq)
+    sched.waiting.append(_seq(3, 1000))
+    assert _planned(sched) == [512, 488]  # nobody decodes: prefill_step-sized chunks
+    for seq in list(sched.running):
+        sched.finish(seq)
+    assert_pool_all_free(pool)
+
+
+def test_the_idle_budget_is_never_below_the_decoding_one():
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK, n_blocks=200))
+    sched = Scheduler(pool, LAYERS, 8, 64, prefill_budget=4096, idle_prefill_budget=16)
+    assert sched.idle_prefill_budget == 4096

@@ -1,0 +1,276 @@
+"""The prefix cache's disk tier (``--prefix-cache-dir``): pages that leave memory, and at a clean
+stop every cached page, are written to disk, and a prompt that runs past its cached pages in
+memory loads the next ones from there, so a conversation survives a restart.
+
+A page on disk is one safetensors file named by its digest: the hash chain of every token up to
+the page's end, rooted in the engine's fingerprint (the model's files, the KV dtype, geometry
+and block size: ``fingerprint``), so another model, dtype or block size never matches; the
+file's metadata repeats the fingerprint, the digest and the page's tokens, and a load checks
+them and every array's shape and dtype. A file that fails is skipped with one log line and
+removed; it is never served and never fatal. The directory is capped at ``cap_bytes``, least
+recently used first (a load touches the file, so the order survives restarts).
+
+Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
+is a cache); loads run on the engine thread at admission, bounded by the prompt they serve.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.engine.loop.prefix_cache import Page, chain
+
+log = logging.getLogger("veloxquant.engine")
+
+SUFFIX = ".safetensors"
+QUEUE_PAGES = 1024  # pages waiting for the writer at most
+
+
+def fingerprint(model_path: Path, parts: Iterable[object]) -> str:
+    """The identity of a page's KV: the model's config and weight files (name, size, first and
+    last MiB of each) and ``parts`` (dtype, geometry, block size, format)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+    config = model_path / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for f in sorted(model_path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+class DiskTier:
+    """Pages on disk by digest, in LRU order, and the writer thread that puts them there.
+
+    Args:
+        root: ``--prefix-cache-dir``; pages go in a subdirectory named by ``fp``.
+        cap_bytes: The directory's size at most.
+        fp: ``fingerprint``'s value.
+        n_layers: Layers (a page is a K and a V array per layer).
+        dtype: The KV's dtype.
+    """
+
+    def __init__(self, root: Path, cap_bytes: int, fp: str, n_layers: int, dtype: Any) -> None:
+        self.dir = Path(root) / fp[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fp = fp
+        self.root_digest = bytes.fromhex(fp)
+        self.cap = cap_bytes
+        self.n_layers = n_layers
+        self.dtype = dtype
+        self._lock = threading.Lock()  # the index: the engine thread and the writer
+        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
+        files = []
+        for f in self.dir.glob("*" + SUFFIX):
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, f.stem, st.st_size))
+        for _, stem, size in sorted(files):
+            self._index[stem] = size
+        self.bytes = sum(self._index.values())
+        self.hits = 0  # pages loaded
+        self.writes = 0  # pages written
+        self.dropped = 0  # pages not written (the queue was full, or the write failed)
+        self.skipped = 0  # files refused at load (corrupt, foreign, wrong shape)
+        self._queue: queue.Queue[tuple[str, list[int], dict[str, mx.array]] | None] = queue.Queue(
+            QUEUE_PAGES
+        )
+        self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
+        self._writer.start()
+        self._trim()
+        log.info(
+            "prefix cache on disk: %s, %d pages (%.1f MiB of %.1f)",
+            self.dir,
+            len(self._index),
+            self.bytes / 2**20,
+            cap_bytes / 2**20,
+        )
+
+    # ------------------------------------------------------------------ engine thread
+
+    def n_pages(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def has(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest.hex() in self._index
+
+    def load(self, digest: bytes, tokens: list[int]) -> list[tuple[mx.array, mx.array]] | None:
+        """The page ``digest`` of ``tokens`` (each layer's K and V, ``[1, H, bs, D]``), or None
+        (with one log line, and the file removed) when the file is missing, corrupt or not this
+        page's."""
+        name = digest.hex()
+        path = self.dir / (name + SUFFIX)
+        try:
+            arrays, meta = mx.load(str(path), return_metadata=True)
+            if meta.get("fingerprint") != self.fp or meta.get("digest") != name:
+                raise ValueError("written for another model, format or page")
+            if json.loads(meta.get("tokens", "null")) != tokens:
+                raise ValueError("its tokens differ")
+            layers = [(arrays[f"{i}.k"], arrays[f"{i}.v"]) for i in range(self.n_layers)]
+            shape = layers[0][0].shape
+            if len(shape) != 4 or shape[0] != 1 or shape[2] != len(tokens):
+                raise ValueError(f"unexpected shape {shape}")
+            for k, v in layers:
+                if k.dtype != self.dtype or v.dtype != self.dtype or k.shape != shape:
+                    raise ValueError("unexpected dtype or shape")
+                if v.shape[:3] != shape[:3]:
+                    raise ValueError("unexpected value shape")
+            mx.eval([x for pair in layers for x in pair])  # read now: a short file fails here
+        except Exception as exc:  # a bad file is a miss, never a failure
+            self.skipped += 1
+            log.warning("prefix cache on disk: skipped %s (%s)", path.name, _reason(exc))
+            self._forget(name, unlink=True)
+            return None
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        self.hits += 1
+        return layers
+
+    def save(
+        self, digest: bytes, tokens: list[int], layers: list[tuple[mx.array, mx.array]]
+    ) -> None:
+        """Queue a page for the writer (its arrays' evaluation already launched); dropped when
+        the page is on disk already or the queue is full."""
+        name = digest.hex()
+        if self.has(digest):
+            return
+        arrays = {}
+        for i, (k, v) in enumerate(layers):
+            arrays[f"{i}.k"], arrays[f"{i}.v"] = k, v
+        try:
+            self._queue.put_nowait((name, tokens, arrays))
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (for at most ``timeout`` seconds), then stop the writer."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("prefix cache on disk: the writer is behind; pages queued are dropped")
+            return
+        self._writer.join(timeout)
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                self._write(*item)
+        finally:
+            mx.clear_streams()
+
+    def _write(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
+        path = self.dir / (name + SUFFIX)
+        tmp = path.with_suffix(".tmp" + SUFFIX)
+        meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
+        try:
+            mx.save_safetensors(str(tmp), arrays, meta)
+            os.replace(tmp, path)
+            size = path.stat().st_size
+        except Exception as exc:  # a full disk, a removed directory: the page is not kept
+            self.dropped += 1
+            log.warning("prefix cache on disk: could not write a page (%s)", _reason(exc))
+            tmp.unlink(missing_ok=True)
+            return
+        with self._lock:
+            self._index[name] = size
+            self.bytes += size
+        self.writes += 1
+        self._trim()
+
+    # ------------------------------------------------------------------ both
+
+    def _forget(self, name: str, unlink: bool) -> None:
+        with self._lock:
+            size = self._index.pop(name, None)
+            if size is not None:
+                self.bytes -= size
+        if unlink:
+            (self.dir / (name + SUFFIX)).unlink(missing_ok=True)
+
+    def _trim(self) -> None:
+        """Remove the least recently used files while the directory is over its cap."""
+        while True:
+            with self._lock:
+                if self.bytes <= self.cap or not self._index:
+                    return
+                name, size = self._index.popitem(last=False)
+                self.bytes -= size
+            (self.dir / (name + SUFFIX)).unlink(missing_ok=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one short line, without paths."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:120]}" if text and "/" not in text else type(exc).__name__
+
+
+def load_run(
+    tier: DiskTier, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
+) -> tuple[int, list[tuple[mx.array, mx.array]] | None]:
+    """Load the pages of ``tokens`` from page ``first`` (whose parent's digest is ``parent``)
+    up to ``limit`` pages, while the tier has them: how many, and their K and V per layer
+    concatenated (``[1, H, n * bs, D]``)."""
+    pages: list[list[tuple[mx.array, mx.array]]] = []
+    for i in range(first, limit):
+        page_tokens = tokens[i * bs : (i + 1) * bs]
+        digest = chain(parent, page_tokens)
+        if not tier.has(digest):
+            break
+        layers = tier.load(digest, page_tokens)
+        if layers is None:
+            break
+        pages.append(layers)
+        parent = digest
+    if not pages:
+        return 0, None
+    if len(pages) == 1:
+        return 1, pages[0]
+    joined = [
+        (
+            mx.concatenate([p[layer][0] for p in pages], axis=2),
+            mx.concatenate([p[layer][1] for p in pages], axis=2),
+        )
+        for layer in range(len(pages[0]))
+    ]
+    return len(pages), joined
+
+
+def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:
+    """Queue ``pages`` for the disk (those it lacks): a copy of each one's KV, read through the
+    layout ``kv`` and launched now (the writer waits for it)."""
+    for page in pages:
+        if tier.has(page.digest):
+            continue
+        layers = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv.read_pages([page])]
+        mx.async_eval([x for pair in layers for x in pair])
+        tier.save(page.digest, list(page.key[1]), layers)
