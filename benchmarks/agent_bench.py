@@ -3,11 +3,11 @@
     python -m benchmarks.agent_bench [--models embedded,100m] [--sessions 1,4] [--turns 6]
         [--system-words 500] [--turn-words 20-120] [--max-tokens 32]
 
-Starts both servers on loopback (same model directory, same BLAS preload, as ``make compare``),
-runs ``loadtest.agent`` against both at every session count in alternating order, and prints
-one Markdown table per model. The defaults fit the 2,048-token context of the CPU models here;
-on a GPU pass a model with a longer context and longer sessions. Every process it starts is
-stopped by pid.
+Starts each server on loopback in turn (same model directory, same BLAS preload, as
+``make compare``; one at a time), runs ``loadtest.agent`` against it at every session count, and
+prints one Markdown table per model. The defaults fit the 2,048-token context of the CPU
+models here; on a GPU pass a model with a longer context and longer sessions. Every process it
+starts is stopped by pid.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-mb", default="512", help="our KV budget")
     p.add_argument("--ours-args", default="", help="extra flags for our server")
+    p.add_argument("--peers", default="mlx_lm", choices=("mlx_lm", "none"))
     p.add_argument("--out", default="agent-bench.md")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-agent-"))
@@ -58,32 +59,34 @@ def run(args: argparse.Namespace, work: Path) -> list[str]:
     )
     lines: list[str] = []
     for path in paths:
-        ours_port, theirs_port = free_port(), free_port()
-        ours_cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
-                    "--port", str(ours_port), "--admin-key", "agent-admin",
-                    "--kv-cache-mb", args.kv_cache_mb, *args.ours_args.split()]  # fmt: skip
-        theirs_cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path),
-                      "--port", str(theirs_port)]  # fmt: skip
-        with server(ours_cmd, ours_port, ours_env, work / "ours.log"), \
-                server(theirs_cmd, theirs_port, env, work / "theirs.log"):  # fmt: skip
-            lt = agent.parse([
-                "--url", f"http://127.0.0.1:{ours_port}",
-                "--compare", f"http://127.0.0.1:{theirs_port}", "--compare-model", str(path),
-                "--sessions", args.sessions, "--turns", str(args.turns),
-                "--system-words", str(args.system_words), "--turn-words", args.turn_words,
-                "--max-tokens", str(args.max_tokens),
-            ])  # fmt: skip
-            rows = asyncio.run(agent.levels(lt))
-        rows = [dataclasses.replace(r, label=_name(r.label)) for r in rows]
+        port = free_port()
+        servers = {
+            "ours": ([sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
+                      "--port", str(port), "--admin-key", "agent-admin",
+                      "--kv-cache-mb", args.kv_cache_mb, *args.ours_args.split()], ours_env),
+            "mlx_lm.server": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(path),
+                               "--port", str(port)], env),
+        }  # fmt: skip
+        if args.peers == "none":
+            del servers["mlx_lm.server"]
+        rows = []
+        # One server at a time: two MLX servers on one GPU compete for its memory (MLX keeps
+        # freed buffers cached), which once made both fail.
+        for name, (cmd, server_env) in servers.items():
+            with server(cmd, port, server_env, work / f"{name}.log"):
+                model = [] if name == "ours" else ["--model", str(path)]
+                lt = agent.parse([
+                    "--url", f"http://127.0.0.1:{port}", *model,
+                    "--sessions", args.sessions, "--turns", str(args.turns),
+                    "--system-words", str(args.system_words), "--turn-words", args.turn_words,
+                    "--max-tokens", str(args.max_tokens),
+                ])  # fmt: skip
+                rows += [dataclasses.replace(r, label=name) for r in asyncio.run(agent.levels(lt))]
         lines.append(f"### {path.name}\n")
         lines += agent.table(sorted(rows, key=lambda r: (r.sessions, r.label)))
         lines += [f"\n{r.label} at {r.sessions}: {r.first_error}" for r in rows if r.first_error]
         lines.append("")
     return lines
-
-
-def _name(label: str) -> str:
-    return "mlx_lm.server" if label == "compare" else "ours"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""A conversation's first turn after a restart, with and without ``--prefix-cache-dir``.
+
+    python -m benchmarks.restart_bench [--model embedded|100m | --model-path DIR]
+        [--context-words 450] [--new-words 30] [--repeats 3] [--ours-args "..."]
+
+For each repeat: a server with ``--prefix-cache-dir`` (a fresh directory) answers a chat of
+``--context-words`` words (streamed, greedy, 32 tokens) and is stopped with SIGTERM (a clean
+stop writes its cached pages); a new server on the same directory gets the next turn (the
+conversation, the answer and ``--new-words`` more); a server without the directory gets the same
+turn cold. It reports both TTFTs, their ratio (target: restarted <= 1/3 of cold), the tokens the
+restarted server found cached, and that both answers are the same tokens. Every server is
+stopped by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.compare import blas_envs, model_dir
+from loadtest.proc import free_port, server
+
+
+def _chat(base: str, messages: list[dict], max_tokens: int = 32) -> tuple[float, str, int]:
+    """(TTFT in ms, the answer, usage.prompt_tokens_details.cached_tokens) of one stream."""
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.monotonic()
+    ttft, text, cached = None, [], 0
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            obj = json.loads(line[5:])
+            for choice in obj.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    ttft = ttft or time.monotonic() - t0
+                    text.append(content)
+            usage = obj.get("usage") or {}
+            cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or cached
+    return (ttft or time.monotonic() - t0) * 1000, "".join(text), cached
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="embedded", choices=("embedded", "100m"))
+    p.add_argument("--model-path", help="a local mlx_lm model directory instead of --model")
+    p.add_argument("--context-words", type=int, default=450)
+    p.add_argument("--new-words", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ours-args", default="", help="extra flags for every server")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vq-restart-"))
+    env, _ = blas_envs()
+    rows = []
+    try:
+        path = Path(args.model_path) if args.model_path else model_dir(args.model, work)
+        for rep in range(args.repeats):
+            rng = random.Random(rep)
+            vocab = ["alpha", "beta", "gamma", "delta", "omega", "tool", "result", "file", "line"]
+            context = " ".join(rng.choice(vocab) for _ in range(args.context_words))
+            messages = [{"role": "system", "content": "You are a coding agent. " + context},
+                        {"role": "user", "content": "Read the file."}]  # fmt: skip
+            disk = work / f"pages-{rep}"
+            runs: dict[str, float] = {}
+
+            def start(extra: list[str], name: str, rep: int = rep):
+                port = free_port()
+                cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
+                       "--port", str(port), "--admin-key", "restart-bench-admin",
+                       *args.ours_args.split(), *extra]  # fmt: skip
+                return port, server(cmd, port, env, work / f"{name}-{rep}.log")
+
+            port, ctx = start(["--prefix-cache-dir", str(disk)], "first")
+            with ctx:
+                runs["first"], answer, _ = _chat(f"http://127.0.0.1:{port}", messages)
+            more = " ".join(rng.choice(vocab) for _ in range(args.new_words))
+            follow = [*messages, {"role": "assistant", "content": answer},
+                      {"role": "user", "content": more}]  # fmt: skip
+            port, ctx = start(["--prefix-cache-dir", str(disk)], "restarted")
+            with ctx:
+                runs["restarted"], warm_answer, cached = _chat(f"http://127.0.0.1:{port}", follow)
+            port, ctx = start([], "cold")
+            with ctx:
+                runs["cold"], cold_answer, _ = _chat(f"http://127.0.0.1:{port}", follow)
+            rows.append((runs, cached, warm_answer == cold_answer))
+            print(f"repeat {rep}: {runs}, cached {cached}, same {warm_answer == cold_answer}",
+                  file=sys.stderr)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    cold = statistics.median(r[0]["cold"] for r in rows)
+    warm = statistics.median(r[0]["restarted"] for r in rows)
+    print(f"{path.name}, a {args.context_words}-word conversation, medians of {args.repeats}:\n")
+    print("| first turn after a restart | TTFT ms | / cold | cached tokens | same answer |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| cold (no --prefix-cache-dir) | {cold:.0f} | 1.00 | 0 | - |")
+    print(
+        f"| restarted on --prefix-cache-dir | {warm:.0f} | {warm / cold:.2f} | "
+        f"{statistics.median(r[1] for r in rows):.0f} | {all(r[2] for r in rows)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
