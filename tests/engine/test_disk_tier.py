@@ -103,7 +103,7 @@ def test_another_geometry_never_matches(make_engine, tmp_path):
     turn(first, prompt)
     first.shutdown(5)
     other = make_engine(kv_cache_mb=32, block_size=32, prefix_cache_dir=str(tmp_path))
-    assert turn(other, prompt + [5])[1] == 0
+    assert turn(other, [*prompt, 5])[1] == 0
     assert other.stats().prefix_disk_hits_total == 0
 
 

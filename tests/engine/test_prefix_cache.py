@@ -118,7 +118,7 @@ def test_answers_cached_from_a_batch_change_no_token(make_engine, layout):
 
 
 def test_answers_are_not_cached_when_turned_off(make_engine):
-    engine = make_engine(kv_cache_mb=32, prefix_cache_answers=False)
+    engine = make_engine(kv_cache_mb=32, prefix_cache_answers="off")
     rng = random.Random(8)
     prompt = words(rng, 20)
     [(answer, _, _, _)] = run(engine, [prompt], max_tokens=40)
@@ -189,3 +189,30 @@ def test_reset_under_load_changes_no_token(make_engine):
         t.join(30)
     assert got == want
     assert len(freed) > 0
+
+
+def test_auto_caches_answers_in_the_dense_layout_only_while_few_requests_run():
+    from veloxquant_mlx.engine.model.loader import ANSWERS_UP_TO, answers_up_to
+
+    assert answers_up_to("auto", keeps_pages=True) is None  # paged: always (no copy)
+    assert answers_up_to("auto", keeps_pages=False) == ANSWERS_UP_TO
+    assert answers_up_to("on", keeps_pages=False) is None
+    assert answers_up_to("off", keeps_pages=True) == 0
+    with pytest.raises(ValueError):
+        answers_up_to("sometimes", keeps_pages=True)
+
+
+def test_a_busy_dense_engine_does_not_copy_answers_out(make_engine):
+    """Over the limit of running requests, a leaving row's generated pages are not cached
+    (the next turn hits through its prompt only); under it, they are."""
+    engine = make_engine(kv_cache_mb=32, max_running=8)
+    engine._core.scheduler.answers_up_to = 2  # the limit, small enough to test
+    rng = random.Random(12)
+    prompts = [words(rng, 20) for _ in range(4)]
+    handles = [engine.submit(GenerationRequest(tuple(p), 40, GREEDY)) for p in prompts]
+    answers = [[t.token_id for t in h.collect(120)[0]] for h in handles]
+    wait_idle(engine)
+    # all four end in one step, one after the other: the first two while 4 and 3 run (their
+    # prompt's one full page is cached), the last two while 2 and 1 do (answers too)
+    got = run(engine, [p + a + [7] for p, a in zip(prompts, answers, strict=True)], 2)
+    assert [r[1] for r in got] == [BS, BS, 3 * BS, 3 * BS]

@@ -104,10 +104,12 @@ class Settings(BaseSettings):
         description="Share full KV blocks between requests with the same prompt prefix "
         "(cached blocks no request holds are evicted, LRU, before any allocation fails).",
     )
-    prefix_cache_answers: bool = Field(
-        True,
+    prefix_cache_answers: Literal["auto", "on", "off"] = Field(
+        "auto",
         description="Cache a finished request's generated pages too, so a conversation's next "
-        "turn, which resends the answer, prefills only its new tokens (needs --prefix-caching).",
+        "turn, which resends the answer, prefills only its new tokens; auto: always in the "
+        "paged layout, in the dense one while at most 16 requests run (there each copy out of "
+        "the batch's working set costs the next step an in-place update).",
     )
     prefix_cache_dir: str | None = Field(
         None,

@@ -54,9 +54,11 @@ class EngineConfig:
     launch_after_previous: bool | None = None
     # Share full KV blocks between requests with the same token prefix (loop/prefix_cache.py).
     prefix_caching: bool = True
-    # Cache a leaving row's generated pages too (the next turn resends the answer). In the
-    # dense layout this copies them out of the working set as the row leaves.
-    prefix_cache_answers: bool = True
+    # Cache a leaving row's generated pages too (the next turn resends the answer): "on",
+    # "off", or "auto": always where the layout keeps pages in the pool's blocks (paged); in
+    # the dense layout, which copies them out of its working set, while at most
+    # loader.ANSWERS_UP_TO requests run.
+    prefix_cache_answers: str = "auto"
     # The prefix cache's disk tier (loop/disk_tier.py): pages leaving memory, and every
     # cached page at a clean stop, are written under this directory and loaded back on a
     # hit, so a conversation survives a restart; capped at ``prefix_cache_disk_gb``.

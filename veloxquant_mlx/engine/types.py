@@ -130,6 +130,9 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = None
+    # The client request it belongs to (its n choices of each prompt share one): while others
+    # wait, a group gets a fair share of the running slots and the prefill budget. 0: its own.
+    group: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

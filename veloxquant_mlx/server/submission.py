@@ -4,6 +4,7 @@ SSE response, fingerprints."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,7 @@ def submit(
     top_logprobs: int,
     grammar: Grammar | None = None,
     seed_offset: int = 0,
+    group: int = 0,
 ) -> RequestHandle:
     """Validate what needs the tokenizer and engine, then submit: nothing is sent before this."""
     if st.draining:
@@ -122,11 +124,15 @@ def submit(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         grammar=grammar,
+        group=group,
     )
     try:
         return st.engine.submit(request)
     except EngineError as exc:
         raise from_engine(exc) from None
+
+
+_GROUPS = itertools.count(1)
 
 
 def submit_all(
@@ -147,10 +153,13 @@ def submit_all(
             param="n",
         )
     handles: list[RequestHandle] = []
+    group = next(_GROUPS) if len(prompts) * n > 1 else 0  # fair shares between client requests
     try:
         for prompt in prompts:
             for k in range(n):
-                handles.append(submit(st, prompt, max_tokens, body, seed_offset=k, **kw))
+                handles.append(
+                    submit(st, prompt, max_tokens, body, seed_offset=k, group=group, **kw)
+                )
     except BaseException:
         for handle in handles:
             st.engine.cancel(handle)

@@ -62,6 +62,11 @@ class Seq:
         return self.handle.request_id
 
     @property
+    def group(self) -> int:
+        """Its client request's group (a request of its own: minus its id)."""
+        return self.handle.request.group or -self.handle.request_id
+
+    @property
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 
@@ -121,7 +126,7 @@ class Scheduler:
         prefill_step: int = 512,
         prefill_budget: int = 512,
         idle_prefill_budget: int = 2048,
-        cache_answers: bool = True,
+        answers_up_to: int | None = None,
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
@@ -132,9 +137,10 @@ class Scheduler:
         self.prefill_step = prefill_step  # prompt tokens per forward at most
         self.prefill_budget = prefill_budget  # prompt tokens per step at most, rows decoding
         self.idle_prefill_budget = max(prefill_budget, idle_prefill_budget)  # none decoding
-        # Cache a leaving row's generated pages too (``cache_generated``); ``row_pages`` is
-        # set by the engine to the runner's (the scheduler runs no MLX).
-        self.cache_answers = cache_answers
+        # Cache a leaving row's generated pages too (``cache_generated``) while at most this
+        # many requests run (None: always); ``row_pages`` is set by the engine to the runner's
+        # (the scheduler runs no MLX).
+        self.answers_up_to = answers_up_to
         self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
         # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set):
         # (tokens, first page, its parent's digest, pages at most) -> (pages, their KV).
@@ -219,7 +225,10 @@ class Scheduler:
         answer, prefills only what is new. ``row_pages(seq)`` is the layout's ``kv_of`` for
         the row (the runner's: nothing to copy where the layout keeps pages in the pool's
         blocks, a copy out of the dense working set otherwise)."""
-        if self.cache is not None and seq.decoding and self.cache_answers:
+        up_to = self.answers_up_to
+        if self.cache is None or not seq.decoding:
+            return
+        if up_to is None or len(self.running) <= up_to:
             self.register(seq, min(seq.n_kv, len(seq.tokens)), self.row_pages(seq))
 
     def reset_cache(self) -> int:
@@ -235,9 +244,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
 
+    def share(self) -> int:
+        """The running slots one group may hold while another waits under its own: the slots
+        split evenly between the groups running or waiting (at least one each)."""
+        groups = {s.group for s in self.running} | {s.group for s in self.waiting}
+        return max(1, -(-self.max_running // max(1, len(groups))))
+
     def admit(self) -> tuple[list[Seq], list[Seq]]:
         """Admit waiting requests in FIFO order while the pool holds their prompts now (plus
-        the first generated token), keeping one block per running row in reserve.
+        the first generated token), keeping one block per running row in reserve. A request
+        whose group holds its share of the running slots (``share``) is passed over, keeping
+        its place, while a request of a group under its share waits behind it.
 
         Returns:
             (admitted, unservable): the admitted in order, with their blocks; the ones a
@@ -245,11 +262,19 @@ class Scheduler:
         """
         admitted: list[Seq] = []
         unservable: list[Seq] = []
-        while self.waiting and len(self.running) < self.max_running:
-            head = self.waiting[0]
+        share = self.share()
+        held = collections.Counter(s.group for s in self.running)
+        under = {s.group for s in self.waiting if held[s.group] < share}  # waiting, under share
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_running:
+            head = self.waiting[i]
             n = len(head.tokens) + 1
             if not self.blocks.could_ever_fit(n):
-                unservable.append(self.waiting.popleft())
+                unservable.append(head)
+                del self.waiting[i]
+                continue
+            if held[head.group] >= share and under - {head.group}:
+                i += 1  # at its share while another group waits under its own
                 continue
             hits = self._hits(head)
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
@@ -258,13 +283,33 @@ class Scheduler:
             )
             need = self.blocks.per_stream(self.n_layers * (self.blocks.blocks_for(n) - len(hits)))
             if self.running and free - need < reserve:
-                break  # FIFO: nobody overtakes the head
+                break  # FIFO for memory: nobody overtakes the head
             if not self._take(head, hits, n):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(head)
+            held[head.group] += 1
+            if held[head.group] >= share:
+                under.discard(head.group)
             admitted.append(head)
         return admitted, unservable
+
+    def reclaim(self, plan: StepPlan) -> None:
+        """The running slots are full and a group under its share waits: preempt the newest
+        request of the group furthest over its share (it is recomputed later, from its cached
+        pages), until the waiting group has a slot."""
+        while len(self.running) >= self.max_running and self.waiting:
+            share = self.share()
+            held = collections.Counter(s.group for s in self.running)
+            if not any(held[s.group] < share for s in self.waiting):
+                return
+            over = [g for g, c in held.items() if c > share]
+            if not over:
+                return
+            group = max(over, key=lambda g: held[g])
+            victim = next(s for s in reversed(self.running) if s.group == group)
+            self.preempt(victim)
+            plan.preempted.append(victim)
 
     def _hits(self, seq: Seq) -> list[Any]:
         """The cached pages ``seq``'s tokens start with, leaving at least its last token to
@@ -329,11 +374,13 @@ class Scheduler:
     # ------------------------------------------------------------------ the plan
 
     def schedule(self) -> StepPlan:
-        """Decide this step: admit, make room for every decoding row's next token
-        (preempting the newest requests while the pool is out), then spend the prefill budget.
+        """Decide this step: take back slots a group holds over its fair share while another
+        waits, admit, make room for every decoding row's next token (preempting the newest
+        requests while the pool is out), then spend the prefill budget.
         Writes the planned ``n_kv`` of the prefilled requests; ``decoded`` advances the
         decoding rows' once the step is built."""
         plan = StepPlan()
+        self.reclaim(plan)
         plan.admitted, plan.unservable = self.admit()
         self.make_room(plan)
         self._plan_prefill(plan)
@@ -372,7 +419,9 @@ class Scheduler:
         padded forward; the rest a chunk at a time, a prompt that one chunk holds only whole
         (a forward costs the host about the same whatever its width: a prompt the budget left
         cannot finish waits for the next step, where it goes in whole, rather than go in as
-        two forwards)."""
+        two forwards). With several groups' prompts pending, a group of several spends at most
+        an even share of the budget, so one client's many long prompts do not hold back
+        another's."""
         pending = [s for s in self.running if not s.decoding]
         if not pending:
             return
@@ -395,17 +444,27 @@ class Scheduler:
                 seq.n_kv, seq.decoding = len(seq.tokens), True
             pending = [s for s in pending if s not in fresh]
         spent = bool(plan.together)
+        # Several groups' prompts pending: a group of several spends at most an even share of
+        # the budget (a lone prompt is not split by it).
+        count = collections.Counter(s.group for s in pending)
+        cap = -(-budget // len(count)) if len(count) > 1 else budget
+        by_group: collections.Counter[int] = collections.Counter()
         for seq in pending:
             if budget <= 0:
                 break
-            left = len(seq.tokens) - seq.n_kv
-            if spent and budget < min(left, step):
+            mine = cap if count[seq.group] > 1 else budget
+            allowed = min(budget, mine - by_group[seq.group])
+            if allowed <= 0:
                 continue
-            chunk = Chunk(seq, seq.n_kv, min(left, max(1, min(budget, step))))
+            left = len(seq.tokens) - seq.n_kv
+            if spent and left <= step and allowed < left:
+                continue  # one chunk holds it: it goes in whole, next step
+            chunk = Chunk(seq, seq.n_kv, min(left, max(1, min(allowed, step))))
             plan.chunks.append(chunk)
             seq.n_kv += chunk.n
             seq.decoding = chunk.completes
             budget -= chunk.n
+            by_group[seq.group] += chunk.n
             spent = True
         for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
             # Admission took blocks for the prompt and the first token: nothing to grow.

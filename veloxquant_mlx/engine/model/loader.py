@@ -32,6 +32,23 @@ log = logging.getLogger("veloxquant.engine")
 PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
 
+# In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
+# while at most this many requests run: each copy out of the working set makes the next step
+# copy every layer's working set instead of updating it in place, a cost that grows with the
+# batch (the H200, 1B shape, 128 clients: 0.75x of the throughput; BENCHMARKS.md, "Answers
+# cached"), while agents run a few sessions.
+ANSWERS_UP_TO = 16
+
+
+def answers_up_to(mode: str, keeps_pages: bool) -> int | None:
+    """The running requests up to which a leaving row's answer is cached (None: always)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"prefix_cache_answers must be auto, on or off, got {mode!r}")
+    if mode == "on" or (mode == "auto" and keeps_pages):
+        return None
+    return 0 if mode == "off" else ANSWERS_UP_TO
+
+
 def prefill_budget(cfg: EngineConfig) -> int:
     if cfg.prefill_budget is not None:
         return cfg.prefill_budget
@@ -264,7 +281,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_step=cfg.prefill_step,
         prefill_budget=prefill_budget(cfg),
         idle_prefill_budget=cfg.idle_prefill_budget,
-        cache_answers=cfg.prefix_cache_answers,
+        answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
     )
     scheduler.row_pages = runner.row_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None)
