@@ -116,10 +116,10 @@ class DiskTier:
         with self._lock:
             return digest.hex() in self._index
 
-    def load(self, digest: bytes, tokens: list[int]) -> list[tuple[mx.array, mx.array]] | None:
-        """The page ``digest`` of ``tokens`` (each layer's K and V, ``[1, H, bs, D]``), or None
-        (with one log line, and the file removed) when the file is missing, corrupt or not this
-        page's."""
+    def open(self, digest: bytes, tokens: list[int]) -> list[tuple[mx.array, mx.array]] | None:
+        """The page ``digest`` of ``tokens`` (each layer's K and V, ``[1, H, bs, D]``), read
+        lazily (``check`` evaluates it), or None (with one log line, and the file removed)
+        when the file is missing, foreign or not this page's."""
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:
@@ -137,19 +137,42 @@ class DiskTier:
                     raise ValueError("unexpected dtype or shape")
                 if v.shape[:3] != shape[:3]:
                     raise ValueError("unexpected value shape")
-            mx.eval([x for pair in layers for x in pair])  # read now: a short file fails here
         except Exception as exc:  # a bad file is a miss, never a failure
-            self.skipped += 1
-            log.warning("prefix cache on disk: skipped %s (%s)", path.name, _reason(exc))
-            self._forget(name, unlink=True)
+            self.refuse(digest, exc)
             return None
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-        with contextlib.suppress(OSError):
-            os.utime(path)
-        self.hits += 1
         return layers
+
+    def check(self, digests: list[bytes], pages: list[list[tuple[mx.array, mx.array]]]) -> int:
+        """Read ``pages`` (opened in chain order) in one evaluation; where that fails, page by
+        page, refusing the first that fails. Returns how many, from the first, are good."""
+        try:
+            mx.eval([x for layers in pages for pair in layers for x in pair])
+            good = len(pages)
+        except Exception:
+            good = 0
+            for digest, layers in zip(digests, pages, strict=True):
+                try:
+                    mx.eval([x for pair in layers for x in pair])
+                except Exception as exc:  # a short or damaged file
+                    self.refuse(digest, exc)
+                    break
+                good += 1
+        for digest in digests[:good]:
+            name = digest.hex()
+            with self._lock:
+                if name in self._index:
+                    self._index.move_to_end(name)
+            with contextlib.suppress(OSError):
+                os.utime(self.dir / (name + SUFFIX))
+        self.hits += good
+        return good
+
+    def refuse(self, digest: bytes, exc: BaseException) -> None:
+        """A page file that cannot be served: one log line, and the file removed."""
+        self.skipped += 1
+        name = digest.hex()
+        log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", _reason(exc))
+        self._forget(name, unlink=True)
 
     def save(
         self, digest: bytes, tokens: list[int], layers: list[tuple[mx.array, mx.array]]
@@ -241,16 +264,20 @@ def load_run(
     up to ``limit`` pages, while the tier has them: how many, and their K and V per layer
     concatenated (``[1, H, n * bs, D]``)."""
     pages: list[list[tuple[mx.array, mx.array]]] = []
+    digests: list[bytes] = []
     for i in range(first, limit):
         page_tokens = tokens[i * bs : (i + 1) * bs]
         digest = chain(parent, page_tokens)
         if not tier.has(digest):
             break
-        layers = tier.load(digest, page_tokens)
+        layers = tier.open(digest, page_tokens)  # read lazily, checked below in one go
         if layers is None:
             break
         pages.append(layers)
+        digests.append(digest)
         parent = digest
+    if pages:
+        pages = pages[: tier.check(digests, pages)]
     if not pages:
         return 0, None
     if len(pages) == 1:
