@@ -123,7 +123,9 @@ class DiskTier:
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
+            loaded: Any = mx.load(str(path), return_metadata=True)
+            arrays: dict[str, mx.array] = loaded[0]
+            meta: dict[str, str] = loaded[1]
             if meta.get("fingerprint") != self.fp or meta.get("digest") != name:
                 raise ValueError("written for another model, format or page")
             if json.loads(meta.get("tokens", "null")) != tokens:
