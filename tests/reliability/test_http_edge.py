@@ -15,6 +15,7 @@ import pytest
 from tests.reliability.conftest import (
     ADMIN,
     API_KEY,
+    MODEL,
     assert_error,
     good_completion,
     start_server,
@@ -307,3 +308,25 @@ def test_an_unparsable_request_is_a_400_in_openai_shape(edge_server):
 def test_the_openapi_schema_is_not_served(edge_server):
     """It would list the /admin routes to anyone, with or without a key."""
     assert_error(httpx.get(f"{edge_server.base_url}/openapi.json", timeout=10), 404)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_half_closed_client_gets_its_answer(edge_server, stream):
+    """A client may shut its sending side after a complete request (``SHUT_WR``, as
+    ``curl --no-keepalive`` and some proxies do): that is not a disconnect. It gets the whole
+    answer, then the server closes."""
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 6,
+                       "temperature": 0, "stream": stream}).encode()  # fmt: skip
+    host, port = edge_server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(post("/v1/completions", body, AUTH))
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):  # until the server closes
+            out += chunk
+    r = parse(out)
+    assert r.status_code == 200, out[:300]
+    if stream:
+        assert b"data: [DONE]" in out
+    else:
+        assert json.loads(r.content)["usage"]["completion_tokens"] == 6

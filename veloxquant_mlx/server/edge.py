@@ -66,6 +66,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._rejected = False
+        self._eof = False  # the client half-closed with a request in flight
         # Over a cap: answered 503 when its request arrives (answering before it is read
         # would make the client's write meet a closed socket: a reset, not a response).
         n_open, cap = len(self.connections), self.limits.max_connections
@@ -84,6 +85,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client closed its side. With a request in flight that is a half-close, which
+        HTTP allows (``shutdown(SHUT_WR)`` after sending a request): keep the connection open
+        to answer it, then close (uvicorn closed it at once, which cancelled the request).
+        Otherwise close as uvicorn does. A client that went away altogether is seen when a
+        write fails."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            self._eof = True
+            return True  # keep the transport open for writing
+        return None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._eof and not self.pipeline and not self.transport.is_closing():
+            self.transport.close()  # answered; the client sends nothing more
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
