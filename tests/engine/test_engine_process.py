@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,18 @@ def test_a_grammar_is_compiled_again_in_the_child_and_holds(make_process):
     handle = engine.submit(request(engine.tokenizer.encode("json"), 4, grammar=slow))
     engine.cancel(handle)
     assert handle.collect(60)[1].finish_reason == "cancelled"
+
+
+def test_a_score_the_caller_gives_up_stops_in_the_child(make_process):
+    """The cancel crosses the pipe: the child's scoring stops at its next chunk, so a request
+    sent afterwards is not kept waiting behind the rest of the prompt."""
+    engine = make_process(kv_cache_mb=32, prefill_budget=16, idle_prefill_budget=16)
+    prompt = tuple(range(3, 2003))  # 125 chunks of 16
+    cancelled = threading.Event()
+    threading.Timer(0.3, cancelled.set).start()
+    with pytest.raises(CancelledError):
+        engine.score(prompt, 5, cancelled=cancelled)
+    tokens, finish = engine.submit(request(engine.tokenizer.encode("after"), 3)).collect(60)
+    assert len(tokens) == 3 and finish.finish_reason == "length"
+    # scored whole, the same prompt is the same scores (the cancel left nothing behind)
+    assert len(engine.score(prompt[:40], 1)) == 40

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from typing import Any
 
@@ -63,8 +65,11 @@ def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
     ]
 
 
-async def _echoes(st: AppState, body: CompletionRequest, prompts: list[list[int]]) -> list[Any]:
-    """Per prompt: its text and, when logprobs are asked, each token's score (engine thread)."""
+async def _echoes(
+    request: Request, st: AppState, body: CompletionRequest, prompts: list[list[int]]
+) -> list[Any]:
+    """Per prompt: its text and, when logprobs are asked, each token's score (engine thread, a
+    chunk a turn beside the decode steps; a client that leaves stops it)."""
     out = []
     for prompt in prompts:
         if not prompt:
@@ -73,12 +78,37 @@ async def _echoes(st: AppState, body: CompletionRequest, prompts: list[list[int]
             )
         scores = None
         if body.logprobs is not None:
-            try:
-                scores = await asyncio.to_thread(st.engine.score, tuple(prompt), body.logprobs)
-            except EngineError as exc:
-                raise from_engine(exc) from None
+            scores = await _score(request, st, tuple(prompt), body.logprobs)
         out.append((st.engine.tokenizer.decode(prompt), prompt, scores))
     return out
+
+
+async def _score(request: Request, st: AppState, prompt: tuple[int, ...], top: int) -> Any:
+    """``prompt``'s scores, watching the client: when it disconnects the engine stops scoring
+    at its next chunk and this raises CancelledError (nobody is left to answer)."""
+    cancelled = threading.Event()
+    scoring = asyncio.ensure_future(
+        asyncio.to_thread(st.engine.score, prompt, top, 300.0, cancelled)
+    )
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({scoring, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not scoring.done():
+            cancelled.set()
+        watcher.cancel()
+    try:
+        return await scoring
+    except concurrent.futures.CancelledError:
+        raise asyncio.CancelledError from None
+    except EngineError as exc:
+        raise from_engine(exc) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post("/completions", response_model=None)
@@ -97,7 +127,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         )
     k = body.logprobs
     prompts = _prompts(st, body)
-    echoes = await _echoes(st, body, prompts) if body.echo else None
+    echoes = await _echoes(request, st, body, prompts) if body.echo else None
     handles = (
         submit_all(
             st,

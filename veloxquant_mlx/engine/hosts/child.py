@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -91,6 +91,7 @@ class Bridge:
         self._handles: dict[int, RequestHandle] = {}
         self._compiling: dict[int, bool] = {}  # tag -> cancelled, while its grammar compiles
         self._stopping = threading.Event()
+        self._scoring: dict[int, threading.Event] = {}  # call id -> its cancel, while it runs
 
     def send(self, message: object) -> None:
         # the server gone: the receiver sees it and stops the engine
@@ -221,6 +222,14 @@ class Bridge:
         if name == "view":  # thread-safe reads: answered here, never behind a step
             self._answer(call_id, name, args)
             return
+        if name == "cancel_score":  # the caller gave up: that score stops at its next chunk
+            event = self._scoring.get(args[0])
+            if event is not None:
+                event.set()
+            return
+        if name == "score":
+            event = self._scoring[call_id] = threading.Event()
+            args = (*args, event)
         threading.Thread(
             target=self._answer, args=(call_id, name, args), name=f"veloxquant-{name}"
         ).start()
@@ -228,9 +237,13 @@ class Bridge:
     def _answer(self, call_id: int, name: str, args: tuple[Any, ...]) -> None:
         try:
             value = getattr(self.engine, name)(*args)
+        except CancelledError:
+            return  # nobody waits for it
         except Exception as exc:
             self.send(Return(call_id, False, _portable(exc)))
             return
+        finally:
+            self._scoring.pop(call_id, None)
         self.send(Return(call_id, True, value))
 
     def _shutdown(self, drain_timeout: float) -> None:

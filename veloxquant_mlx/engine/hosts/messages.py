@@ -86,4 +86,4 @@ class Exit:
 
 
 # What the server may call on the child's Engine (anything else is refused).
-CALLS = ("shrink", "reset_prefix_cache", "score", "view")
+CALLS = ("shrink", "reset_prefix_cache", "score", "view", "cancel_score")

@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -351,9 +352,33 @@ class EngineProcess(HostBase):
         """As ``Engine.reset_prefix_cache``, in the child."""
         return int(self._call("reset_prefix_cache", (), timeout))
 
-    def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
-        """As ``Engine.score``, in the child (blocks the caller)."""
-        return list(self._call("score", (prompt, top, timeout), timeout + 5.0))
+    def score(
+        self,
+        prompt: tuple[int, ...],
+        top: int,
+        timeout: float = 300.0,
+        cancelled: threading.Event | None = None,
+    ) -> list[Any]:
+        """As ``Engine.score``, in the child (blocks the caller); ``cancelled`` sends the
+        child a ``cancel_score`` for this call, which stops it at its next chunk."""
+        if cancelled is None:
+            return list(self._call("score", (prompt, top, timeout), timeout + 5.0))
+        future, call_id = self._start_call("score", (prompt, top, timeout))
+        deadline = time.monotonic() + timeout + 5.0
+        try:
+            while True:
+                try:
+                    return list(future.result(0.05))
+                except FutureTimeout:
+                    if cancelled.is_set():
+                        with contextlib.suppress(EngineNotReadyError):
+                            self._send(Call(next(self._ids), "cancel_score", (call_id,)))
+                        raise CancelledError from None
+                    if time.monotonic() >= deadline:
+                        raise
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
 
     def view(self, timeout: float = 2.0) -> EngineView:
         """The child's counters and pool now (one round trip). When the child does not answer
@@ -380,6 +405,14 @@ class EngineProcess(HostBase):
         return self.view().stats
 
     def _call(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
+        future, call_id = self._start_call(name, args)
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+
+    def _start_call(self, name: str, args: tuple[Any, ...]) -> tuple[Future[Any], int]:
         if not self._alive:
             raise EngineNotReadyError("the engine is not running")
         future: Future[Any] = Future()
@@ -393,8 +426,4 @@ class EngineProcess(HostBase):
             with self._lock:
                 self._calls.pop(call_id, None)
             raise
-        try:
-            return future.result(timeout)
-        finally:
-            with self._lock:
-                self._calls.pop(call_id, None)
+        return future, call_id

@@ -13,7 +13,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import mlx.core as mx
@@ -301,9 +302,16 @@ class Engine(HostBase):
         """
         return int(self._call(ResetPrefixCache(), timeout))
 
-    def score(self, prompt: tuple[int, ...], top: int, timeout: float = 300.0) -> list[Any]:
-        """Prompt logprobs (``scoring.prompt_logprobs``), computed on the engine thread between
-        steps. Blocks the caller (use a worker thread from async code).
+    def score(
+        self,
+        prompt: tuple[int, ...],
+        top: int,
+        timeout: float = 300.0,
+        cancelled: threading.Event | None = None,
+    ) -> list[Any]:
+        """Prompt logprobs (``scoring.ScoringJob``), computed on the engine thread a chunk per
+        turn, beside the decode steps. Blocks the caller (use a worker thread from async
+        code); setting ``cancelled`` stops it at the next chunk (CancelledError).
 
         Raises:
             InvalidRequestError: Token ids outside the vocabulary, or over the context window.
@@ -312,7 +320,18 @@ class Engine(HostBase):
         problem = score_problem(tuple(prompt), self.vocab_size, self.context_window)
         if problem is not None:
             raise problem
-        return list(self._call(Score(tuple(prompt), top), timeout))
+        future = self._command(Score(tuple(prompt), top))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return list(future.result(0.05 if cancelled is not None else timeout))
+            except FutureTimeout:
+                if cancelled is not None and cancelled.is_set():
+                    future.cancel()  # the engine drops it at its next chunk
+                    raise CancelledError from None
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise
 
     def group_pools(self, timeout: float = 30.0) -> list[list[int]]:
         """``[rank, blocks, free, blocks in use, owners]`` for the pool of every rank of the
@@ -350,6 +369,9 @@ class Engine(HostBase):
         return EngineView(stats, None if self.pool is None else PoolView.of(self.pool))
 
     def _call(self, command: Command, timeout: float) -> Any:
+        return self._command(command).result(timeout)
+
+    def _command(self, command: Command) -> Future[Any]:
         future: Future[Any] = Future()
         ib = self._inbox
         with ib.lock:
@@ -357,4 +379,4 @@ class Engine(HostBase):
                 raise EngineNotReadyError("the engine is not running")
             ib.commands.append((command, future))
             ib.lock.notify_all()
-        return future.result(timeout)
+        return future

@@ -42,7 +42,7 @@ from veloxquant_mlx.engine.request.grammar import GrammarCompiler
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.request.running import Running
 from veloxquant_mlx.engine.request.sampling import make_processors, make_sampler
-from veloxquant_mlx.engine.request.scoring import prompt_logprobs
+from veloxquant_mlx.engine.request.scoring import ScoringJob, prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
@@ -93,6 +93,7 @@ class EngineCore:
         self._faulted: list[RequestFault] = []
         self._live: dict[int, Seq] = {}  # request id -> every admitted or queued request
         self._inflight: list[Sampled] = []  # launched, not read back
+        self._scoring: list[ScoringJob] = []  # prompts being scored, a chunk a turn
         self._changed = True
         self._holds_a_request = True  # checked at load; only a shrink can change it
         self.runner.on_join = self._cache_prompt
@@ -102,7 +103,7 @@ class EngineCore:
     # ------------------------------------------------------------------ loop
 
     def _busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting or self._scoring)
 
     def run(self) -> None:
         while True:
@@ -115,6 +116,8 @@ class EngineCore:
                 if self._step_hook is not None:
                     self._step_hook()
                 self._turn()
+            if self._scoring:
+                self._score()
             self.turns.since = None
             if self._changed:
                 self._publish()
@@ -140,10 +143,35 @@ class EngineCore:
         if isinstance(command, ResetPrefixCache):
             return self.reset_prefix_cache()
         if isinstance(command, Score):
-            return prompt_logprobs(self.runner.model, command.prompt, command.top)
+            if self.group is not None:  # the ranks step together: in one forward
+                return prompt_logprobs(self.runner.model, command.prompt, command.top)
+            job = ScoringJob(command.prompt, command.top)
+            self._scoring.append(job)
+            return job  # answered when its last chunk is scored (``_score``)
         if isinstance(command, GroupPools):
             return self.group_pools()
         raise TypeError(f"not an engine command: {command!r}")
+
+    def _score(self) -> None:
+        """One chunk of the oldest scoring job, of the step's prefill budget (the decoding
+        one while rows decode): a long prompt to score is interleaved with the others' steps.
+        A job whose caller gave up is dropped; one that fails fails its caller alone."""
+        job = self._scoring[0]
+        if not job.abandoned:
+            sched = self.scheduler
+            budget = sched.prefill_budget if sched.running else sched.idle_prefill_budget
+            try:
+                if not job.step(self.runner.model, budget):
+                    return
+            except Exception as exc:  # its own failure (an MLX error in its forward)
+                log.exception("scoring a prompt failed")
+                if job.future is not None and not job.future.done():
+                    job.future.set_exception(exc)
+                self._scoring.pop(0)
+                return
+            if job.future is not None and not job.future.done():
+                job.future.set_result(job.scores)
+        self._scoring.pop(0)
 
     def _finish_draining(self, expired: bool) -> bool:
         """While draining: fail the waiting at once, and once the deadline has passed
@@ -151,13 +179,14 @@ class EngineCore:
         nothing is left."""
         for seq in [s for s in self.scheduler.waiting if s.out is None]:
             self._end(seq, "error", "the server is shutting down", DRAINING)
-        if not self.scheduler.running and not self.scheduler.waiting:
+        if not self.scheduler.running and not self.scheduler.waiting and not self._scoring:
             return True
         if expired:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self._end(
                     seq, "error", "the server shut down before this request finished", DRAINING
                 )
+            self._drop_scoring("the server shut down before this prompt was scored")
             return True
         return False
 
@@ -390,9 +419,17 @@ class EngineCore:
         answers), and the engine counts as dead."""
         self._fail_unapplied(message, [s.handle for s in list(self._live.values())])
 
+    def _drop_scoring(self, message: str) -> None:
+        """Answer every scoring job's caller with EngineNotReadyError (a stop, a failure)."""
+        jobs, self._scoring = self._scoring, []
+        for job in jobs:
+            if job.future is not None and not job.future.done():
+                job.future.set_exception(EngineNotReadyError(message))
+
     def _fail_unapplied(self, message: str, handles: Sequence[RequestHandle] = ()) -> None:
         """Close the inbox, then answer with ENGINE_FAILED ``handles``, every request and
         command taken but not applied, and whatever callers sent that was never taken."""
+        self._drop_scoring(message)
         adds, commands = self.inbox.close()
         taken, futures = self.turns.take_unapplied()
         for handle in [*handles, *taken, *adds]:

@@ -18,6 +18,7 @@ from veloxquant_mlx.engine.loop.commands import EMPTY, Command, Turn
 from veloxquant_mlx.engine.loop.group import Group
 from veloxquant_mlx.engine.loop.inbox import Inbox
 from veloxquant_mlx.engine.request.handle import DISCARD, RequestHandle
+from veloxquant_mlx.engine.request.scoring import ScoringJob
 from veloxquant_mlx.engine.types import GenerationRequest
 
 log = logging.getLogger("veloxquant.engine")
@@ -104,7 +105,9 @@ class TurnSource:
                 elif not future.done():  # an abandoned engine has answered it already
                     future.set_exception(exc)
             else:
-                if future is not None and not future.done():
+                if isinstance(result, ScoringJob):  # answered later, a chunk a turn
+                    result.future = future
+                elif future is not None and not future.done():
                     future.set_result(result)
 
     def handle(self, request_id: int, request: GenerationRequest) -> RequestHandle:
