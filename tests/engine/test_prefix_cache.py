@@ -216,3 +216,20 @@ def test_a_busy_dense_engine_does_not_copy_answers_out(make_engine):
     # prompt's one full page is cached), the last two while 2 and 1 do (answers too)
     got = run(engine, [p + a + [7] for p, a in zip(prompts, answers, strict=True)], 2)
     assert [r[1] for r in got] == [BS, BS, 3 * BS, 3 * BS]
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_prompts_that_arrive_together_with_one_prefix_prefill_it_once(make_engine, layout):
+    """Four sessions start at once with the same long system prompt: the first prefills it,
+    the others wait for its pages (admitted once it is in) and hit them, with the same tokens
+    as without caching."""
+    engine = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefill_step=64)
+    plain = make_engine(kv_cache_mb=32, **LAYOUTS[layout], prefill_step=64, prefix_caching=False)
+    rng = random.Random(13)
+    system = words(rng, 300)
+    prompts = [system + words(rng, 10) for _ in range(4)]
+    got = run(engine, prompts)
+    assert [r[1] for r in got] == [0] + [300 // BS * BS] * 3
+    assert [r[0] for r in got] == [r[0] for r in run(plain, prompts)]
+    stats = engine.stats()
+    assert stats.prefix_hits_total == 3 * (300 // BS * BS)

@@ -277,6 +277,9 @@ class Scheduler:
                 i += 1  # at its share while another group waits under its own
                 continue
             hits = self._hits(head)
+            if self._shares_a_prefill(head, len(hits)):
+                i += 1  # its next pages are being prefilled by another: it will hit them
+                continue
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
             free = self._free_now() - self.blocks.per_stream(
                 self.n_layers * sum(1 for p in hits if p.refs == 0)
@@ -310,6 +313,20 @@ class Scheduler:
             victim = next(s for s in reversed(self.running) if s.group == group)
             self.preempt(victim)
             plan.preempted.append(victim)
+
+    def _shares_a_prefill(self, seq: Seq, n_hits: int) -> bool:
+        """Whether a running request still prefilling has ``seq``'s next full page (after its
+        ``n_hits`` cached ones) in its own prompt, not yet cached: admitted now, ``seq`` would
+        prefill the same tokens beside it; admitted once that prompt is in (its pages
+        registered), it hits them. Sessions of an agent that start together with one long
+        system prompt then prefill it once, not once each."""
+        if self.cache is None:
+            return False
+        b = (n_hits + 1) * self.blocks.block_size
+        if len(seq.tokens) <= b:  # no full page left to share (the last token is prefilled)
+            return False
+        prefix = seq.tokens[:b]
+        return any(not other.decoding and other.tokens[:b] == prefix for other in self.running)
 
     def _hits(self, seq: Seq) -> list[Any]:
         """The cached pages ``seq``'s tokens start with, leaving at least its last token to
