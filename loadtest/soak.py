@@ -6,10 +6,17 @@ traffic from ``--clients`` threads: full streams, chat, seeded sampling, structu
 non-streamed requests abandoned midway (cancels), bad inputs of every kind, while an operator
 thread shrinks the pool (which grows back on demand) and a scraper reads /metrics every second.
 
+Beside them a hostile client rotates through what one client must not be able to do to the
+others: a schema over the limits (400) and one slow to compile, a request of 4 prompts x n 4
+generating long, a stream read at a trickle and then dropped, a long prompt to score (echo)
+abandoned midway, a request sent on a half-closed socket; and a probe sends a plain 4-token
+request every half second.
+
 It fails (exit 1) on: any 5xx other than an honest 503 (capacity_reduced after a shrink,
 queue_full's 429 is a 4xx), any error answered to a valid request, a bad input answered with
-anything but 4xx, the engine reported dead, a block or owner left once idle, or RSS growth after
-warm-up over ``--rss-growth-mb``. Prints a report (and ``--json``); stops the server by pid.
+anything but 4xx, the engine reported dead, a block or owner left once idle, RSS growth after
+warm-up over ``--rss-growth-mb``, or a probe's answer slower than ``--plain-latency-s``. Prints a
+report (and ``--json``); stops the server by pid.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import os
 import random
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -72,6 +80,7 @@ class Report:
     rss_end_mb: float = 0.0
     rss_max_mb: float = 0.0
     leak_free: bool = False
+    plain_latency_s: list[float] = field(default_factory=list)  # the probe's, in order
 
     def fail(self, what: str) -> None:
         if len(self.failures) < 50:
@@ -206,6 +215,109 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     return r.status_code, _honest(r), 0, ""
 
 
+def _wide_schema(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+def hostile_loop(base: str, rep: Report, deadline: float, lock: threading.Lock) -> None:
+    """One client doing, in turn, what must stay its own wait (each answer must be honest)."""
+    rng = random.Random(99)
+    kinds = ["huge_schema", "slow_schema", "fat_n", "slow_reader", "score_abandoned",
+             "half_closed"]  # fmt: skip
+    with httpx.Client(base_url=base, timeout=120) as http:
+        i = 0
+        while time.monotonic() < deadline:
+            kind = kinds[i % len(kinds)]
+            i += 1
+            try:
+                status, ok = _hostile(http, base, kind, rng)
+            except httpx.HTTPError as exc:
+                status, ok = -1, kind in ("slow_reader", "score_abandoned")
+                note = type(exc).__name__
+            else:
+                note = ""
+            with lock:
+                rep.requests[f"hostile_{kind}:{status}"] += 1
+                if not ok:
+                    rep.fail(f"hostile {kind}: HTTP {status} {note}".rstrip())
+
+
+def _hostile(http: httpx.Client, base: str, kind: str, rng: random.Random) -> tuple[int, bool]:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": _prompt(rng)}]}
+    if kind in ("huge_schema", "slow_schema"):
+        # 10,000 optional properties: over the limits, 400; 12 x 300 under them: compiles
+        n = 10_000 if kind == "huge_schema" else 300
+        schema = (
+            _wide_schema(n)
+            if kind == "huge_schema"
+            else {"type": "object", "properties": {f"o{j}": _wide_schema(n) for j in range(12)}}
+        )
+        fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+        r = http.post("/v1/chat/completions", json={**chat, "max_tokens": 4,
+                                                    "response_format": fmt})  # fmt: skip
+        return r.status_code, r.status_code in (200, 400) and _no_leak(r)
+    if kind == "fat_n":
+        body = {"model": MODEL, "prompt": [_prompt(rng) for _ in range(4)], "n": 4,
+                "max_tokens": 96}  # fmt: skip
+        r = http.post("/v1/completions", json=body)
+        return r.status_code, r.status_code == 200 or _honest(r)
+    if kind == "slow_reader":  # a trickle of reads, then gone
+        body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": 200, "stream": True,
+                "n": 2}  # fmt: skip
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            for _ in r.iter_raw(64):
+                time.sleep(0.2)
+                if rng.random() < 0.1:
+                    break
+            return r.status_code, r.status_code == 200 or _honest(r)
+    if kind == "score_abandoned":  # a long prompt to score, the client gone after 0.3 s
+        body = {"model": MODEL, "prompt": list(range(3, 1503)), "max_tokens": 0, "echo": True,
+                "logprobs": 5}  # fmt: skip
+        try:
+            r = http.post("/v1/completions", json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            return 0, True
+        return r.status_code, r.status_code == 200 or _honest(r)
+    # half_closed: a whole request, then the sending side shut; the answer must come back
+    host, port = base.removeprefix("http://").split(":")
+    raw = json.dumps({"model": MODEL, "prompt": _prompt(rng), "max_tokens": 4}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(raw))  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head + raw)
+        sock.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    status = int(out.split(b" ", 2)[1]) if out.startswith(b"HTTP/1.1 ") else 0
+    return status, status == 200
+
+
+def _no_leak(r: httpx.Response) -> bool:
+    return "Traceback" not in r.text and "site-packages" not in r.text
+
+
+def probe_loop(base: str, rep: Report, deadline: float, lock: threading.Lock) -> None:
+    """A plain 4-token request every half second: its latency is what everyone else waits."""
+    body = {"model": MODEL, "prompt": "a plain request", "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=300) as http:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            try:
+                r = http.post("/v1/completions", json=body)
+                status = r.status_code
+            except httpx.HTTPError:
+                status = -1
+            took = time.monotonic() - started
+            with lock:
+                rep.requests[f"probe:{status}"] += 1
+                if status == 200:
+                    rep.plain_latency_s.append(took)
+                elif status != 503 and status != 429:
+                    rep.fail(f"probe: HTTP {status}")
+            time.sleep(max(0.0, 0.5 - took))
+
+
 def _honest(r: httpx.Response) -> bool:
     """An error a valid request may truthfully get under shrinks and load."""
     if r.status_code == 429:
@@ -272,6 +384,9 @@ def soak(args: argparse.Namespace) -> Report:
         threads.append(
             threading.Thread(target=operator_loop, args=(base, key, rep, deadline, lock))
         )
+        if args.hostile:
+            threads.append(threading.Thread(target=hostile_loop, args=(base, rep, deadline, lock)))
+        threads.append(threading.Thread(target=probe_loop, args=(base, rep, deadline, lock)))
         threads.append(
             threading.Thread(target=scrape_loop, args=(base, proc.pid, rep, deadline, lock))
         )
@@ -300,6 +415,9 @@ def soak(args: argparse.Namespace) -> Report:
         rep.fail("blocks, owners or requests left once idle")
     if not rep.rss_warm_mb:
         rep.rss_warm_mb = rep.rss_mb[0][1] if rep.rss_mb else rep.rss_end_mb
+    slowest = max(rep.plain_latency_s, default=0.0)
+    if slowest > args.plain_latency_s:
+        rep.fail(f"a plain request took {slowest:.1f} s (limit {args.plain_latency_s:g})")
     growth = rep.rss_end_mb - rep.rss_warm_mb
     if growth > args.rss_growth_mb:
         rep.fail(f"RSS grew {growth:.1f} MiB after warm-up (limit {args.rss_growth_mb})")
@@ -335,6 +453,8 @@ def render(rep: Report) -> str:
         f"{rep.shrinks} shrinks ({rep.retired_blocks} blocks retired), {rep.scrapes} scrapes",
         f"RSS: {rep.rss_warm_mb:.1f} MiB after warm-up, {rep.rss_end_mb:.1f} at the end, "
         f"{rep.rss_max_mb:.1f} max; pool all free at the end: {rep.leak_free}",
+        f"plain requests: {len(rep.plain_latency_s)}, slowest "
+        f"{max(rep.plain_latency_s, default=0.0):.2f} s",
         "| kind:status | requests |",
         "|---|---:|",
         *(f"| {k} | {v} |" for k, v in sorted(rep.requests.items())),
@@ -351,6 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="local model dir (default: the embedded one)")
     p.add_argument("--n-blocks", type=int, default=6000)
     p.add_argument("--rss-growth-mb", type=float, default=64.0)
+    p.add_argument(
+        "--plain-latency-s",
+        type=float,
+        default=30.0,
+        help="the slowest a plain 4-token request may be answered while the rest runs",
+    )
+    p.add_argument(
+        "--no-hostile", dest="hostile", action="store_false", help="leave the hostile client out"
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--log", default="soak-server.log", help="the server's log")
     args = p.parse_args(argv)

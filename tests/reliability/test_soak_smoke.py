@@ -1,4 +1,5 @@
-"""`make soak` for a few seconds: its own server, mixed traffic, shrinks, scrapes, all checks."""
+"""`make soak` for a few seconds: its own server, mixed traffic, a hostile client, a probe of
+plain requests' latency, shrinks, scrapes, all checks."""
 
 from __future__ import annotations
 
@@ -15,5 +16,7 @@ def test_a_short_soak_is_clean(tmp_path, default_model_dir, monkeypatch):
     report = json.loads(out.read_text())
     assert rc == 0, report["failures"]
     kinds = {key.split(":")[0] for key in report["requests"]}
-    assert kinds >= {"stream", "bad", "chat"}  # the mix ran
+    assert kinds >= {"stream", "bad", "chat", "probe"}  # the mix ran
+    assert any(k.startswith("hostile_") for k in kinds)  # and the hostile client beside it
+    assert report["plain_latency_s"]  # the probe was answered, within --plain-latency-s
     assert report["leak_free"] and report["scrapes"] >= 5 and report["rss_end_mb"] > 0
