@@ -256,3 +256,30 @@ def test_a_pool_that_cannot_serve_stops_the_server_at_start(tmp_path, default_mo
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("veloxquant-serve: cannot start: the KV pool (8 blocks")
     assert "--kv-cache-mb" in last and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "a config value of the wrong type"])
+def test_a_model_that_cannot_load_stops_with_one_line(tmp_path, default_model_dir, damage):
+    """A truncated safetensors file or ``hidden_size: "abc"``: exit 3 with one line, no
+    traceback (it used to log 20-30 lines of one first)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir, model)
+    if damage == "truncated weights":
+        weights = next(model.glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(model), "--port", "0",
+         "--admin-key", ADMIN],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("veloxquant-serve: cannot start: ")

@@ -175,3 +175,30 @@ async def test_a_schema_with_no_value_is_a_400_not_an_empty_answer(client_for):
     r = await client.post("/v1/chat/completions", json=structured({"$ref": "#"}, max_tokens=8))
     err = assert_error(r, 400, "invalid_value", "response_format.json_schema.schema")
     assert "no value" in err["message"]
+
+
+async def test_unsatisfiable_and_odd_schemas_are_400s_in_plain_words(client_for):
+    """Bounds that contradict each other, an unknown format, a pattern of a million
+    repetitions: each a clear answer (400 naming the field, or a constrained 200), never a
+    500 or a library's internals (``min=Some(...)``) in the message."""
+    client: httpx.AsyncClient = await client_for()
+    subs = [
+        {"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2},
+        {"type": "number", "minimum": 1.5, "maximum": 1.2},
+        {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4},
+        {"type": "integer", "multipleOf": 0},
+        {"type": "string", "format": "nonsense"},
+        {"type": "string", "minLength": 5, "maxLength": 2},
+    ]
+    for sub in subs:
+        schema = {"type": "object", "properties": {"a": sub}, "required": ["a"]}
+        r = await client.post("/v1/chat/completions", json=structured(schema))
+        err = assert_error(r, 400, "invalid_value", "response_format.json_schema.schema")
+        assert "Some(" not in err["message"] and "None" not in err["message"], err
+    pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{1000000}"}},
+               "required": ["a"]}  # fmt: skip
+    r = await client.post(
+        "/v1/chat/completions", json=structured(pattern, max_tokens=6, temperature=0)
+    )
+    assert r.status_code == 200, r.text  # built lazily: it constrains, it does not fail
+    assert r.json()["choices"][0]["message"]["content"].startswith('{"a":"')

@@ -35,6 +35,10 @@ _REASONS = {
 _LINGER_SECONDS = 1.0
 # Connections past --max-connections that may still ask for these (GET only).
 RESERVED = 8
+# Seconds a request whose client closed its side may take to start its response before the
+# client counts as gone (a half-closed client's answer has started by then, a stream's first
+# event, or a short completion; a vanished client holds its blocks no longer).
+EOF_GRACE = 2.0
 OPS_PATHS = (b"/health", b"/ready", b"/metrics")
 
 
@@ -67,6 +71,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._rejected = False
         self._eof = False  # the client half-closed with a request in flight
+        self._eof_timer: asyncio.TimerHandle | None = None
         # Over a cap: answered 503 when its request arrives (answering before it is read
         # would make the client's write meet a closed socket: a reset, not a response).
         n_open, cap = len(self.connections), self.limits.max_connections
@@ -84,19 +89,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        if self._eof_timer is not None:
+            self._eof_timer.cancel()
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
-        """The client closed its side. With a request in flight that is a half-close, which
-        HTTP allows (``shutdown(SHUT_WR)`` after sending a request): keep the connection open
-        to answer it, then close (uvicorn closed it at once, which cancelled the request).
-        Otherwise close as uvicorn does. A client that went away altogether is seen when a
-        write fails."""
+        """The client closed its side with a complete request in flight. That is either a
+        half-close, which HTTP allows (``shutdown(SHUT_WR)`` after the request), or the client
+        gone (a timeout, a crash): the same FIN. Keep the connection open to answer: a
+        response under way shows a real close at its next write. One not started within
+        ``EOF_GRACE`` seconds counts as gone (its request is cancelled, as uvicorn did at
+        once), so a vanished client holds its blocks for at most that long."""
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and not cycle.more_body:
-            self._eof = True
-            return True  # keep the transport open for writing
-        return None
+        if cycle is None or cycle.response_complete or cycle.more_body:
+            return None  # nothing to answer, or a body that will never come: close
+        self._eof = True
+        if not cycle.response_started:
+            self._eof_timer = self.loop.call_later(EOF_GRACE, self._eof_expired)
+        return True  # keep the transport open for writing
+
+    def _eof_expired(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not cycle.response_complete:
+            cycle.disconnected = True  # the app's next receive() says http.disconnect
+            cycle.message_event.set()
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

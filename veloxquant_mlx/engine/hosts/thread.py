@@ -136,10 +136,10 @@ class Engine(HostBase):
         try:
             self._load()
         except BaseException as exc:
-            if isinstance(exc, (ValueError, OSError)):  # what the operator must change
-                log.error("engine failed to load: %s", exc)
-            else:
-                log.exception("engine failed to load")
+            # One line: a model that cannot load is the operator's to fix (a truncated
+            # weights file, a config value of the wrong type); the traceback at debug level.
+            log.error("engine failed to load: %s: %s", type(exc).__name__, _first_line(exc))
+            log.debug("engine load failure", exc_info=True)
             self._load_error = exc
             self._inbox.alive = False
             self._ready.set()
@@ -380,3 +380,8 @@ class Engine(HostBase):
             ib.commands.append((command, future))
             ib.lock.notify_all()
         return future
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
