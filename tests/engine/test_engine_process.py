@@ -287,3 +287,19 @@ def test_a_score_the_caller_gives_up_stops_in_the_child(make_process):
     assert len(tokens) == 3 and finish.finish_reason == "length"
     # scored whole, the same prompt is the same scores (the cancel left nothing behind)
     assert len(engine.score(prompt[:40], 1)) == 40
+
+
+def test_the_childs_prefix_cache_survives_a_restart_on_disk(make_process, tmp_path):
+    """--prefix-cache-dir with the engine in its own process: the child writes its pages when
+    it stops, a new child loads them, and its snapshot carries the disk counters across."""
+    prompt = list(range(3, 83))  # 5 full pages
+    first = make_process(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    answer = [t.token_id for t in first.submit(request(prompt, 12)).collect(60)[0]]
+    first.shutdown(5)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == (80 + 12) // 16
+    again = make_process(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    tokens, finish = again.submit(request(prompt, 12)).collect(60)
+    assert [t.token_id for t in tokens] == answer
+    assert finish.usage.cached_tokens == 79 // 16 * 16
+    stats = again.stats()
+    assert stats.prefix_disk and stats.prefix_disk_hits_total == 79 // 16

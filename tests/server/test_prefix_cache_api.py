@@ -4,6 +4,7 @@ and ``--no-prefix-caching``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -95,3 +96,29 @@ async def test_no_prefix_caching_reports_zero_and_keeps_nothing(client_for):
     await wait_idle(client.engine)
     view = (await client.get("/admin/pool", headers=AUTH)).json()
     assert view["prefix_cache"]["enabled"] is False and view["stats"]["blocks_in_use"] == 0
+
+
+async def test_the_disk_tier_shows_in_prometheus(client_for, tmp_path):
+    client = await client_for(prefix_cache_dir=str(tmp_path))
+    assert (await client.post("/v1/chat/completions", json=chat("What is 2+2?"))).status_code == 200
+    await wait_idle(client.engine)  # type: ignore[attr-defined]
+    r = await client.post("/admin/prefix-cache/reset", headers=AUTH)  # evicted: written
+    assert r.status_code == 200
+    for _ in range(100):  # the writer thread's files land (bounded: 10 s)
+        if list(tmp_path.rglob("*.safetensors")):
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.2)  # the rest of the queue
+    # the engine publishes its counters after a turn that changed something: one more request
+    assert (await client.post("/v1/chat/completions", json=chat("2+3?"))).status_code == 200
+    await wait_idle(client.engine)  # type: ignore[attr-defined]
+    m = metrics((await client.get("/metrics")).text)
+    assert m["veloxquant_prefix_cache_disk_pages"] > 0
+    assert m["veloxquant_prefix_cache_disk_writes_total"] == m["veloxquant_prefix_cache_disk_pages"]
+    assert m["veloxquant_prefix_cache_disk_bytes"] > 0
+    assert m["veloxquant_prefix_cache_disk_skipped_total"] == 0
+
+
+async def test_no_disk_metrics_without_the_disk_tier(client):
+    m = metrics((await client.get("/metrics")).text)
+    assert not any(name.startswith("veloxquant_prefix_cache_disk") for name in m)
