@@ -421,6 +421,26 @@ def test_a_request_is_due_at_its_first_token_and_then_once_per_interval():
     assert run.take_all(0.015) == [d]  # taken anyway when another request's delivery goes out
 
 
+def test_a_requests_first_text_goes_out_at_once_even_after_an_empty_first_token():
+    """A first token with no text (part of a character, a held stop-string prefix) went out
+    at once, and then the first text waited a whole interval: the client's first visible
+    token came an interval late."""
+    from veloxquant_mlx.engine.request.faults import RequestFault
+    from veloxquant_mlx.engine.request.handle import RequestHandle
+    from veloxquant_mlx.engine.request.running import Running
+
+    run = Running(RequestHandle(1, request([1, 2, 3])), None, RequestFault(1, []))  # type: ignore[arg-type]
+    run.pending.append(TokenEvent(0, "", 0.0))
+    assert run.is_due(0.0, 0.025) and len(run.take_all(0.0)) == 1  # the first token, no text
+    run.pending.append(TokenEvent(0, "", 0.004))
+    assert not run.is_due(0.004, 0.025)  # still nothing to show: held
+    run.pending.append(TokenEvent(0, "hi", 0.008))
+    assert run.is_due(0.008, 0.025)  # the first text: at once
+    assert len(run.take_all(0.008)) == 2
+    run.pending.append(TokenEvent(0, "more", 0.012))
+    assert not run.is_due(0.012, 0.025)  # after that, the interval again
+
+
 # ---------------------------------------------------------------------- fault isolation
 
 

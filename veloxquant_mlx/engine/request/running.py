@@ -25,6 +25,7 @@ class Running:
         "n_generated",
         "peak_blocks",
         "pending",
+        "shown",
         "stops",
     )
 
@@ -39,19 +40,25 @@ class Running:
         self.peak_blocks = 0
         self.pending: list[TokenEvent] = []
         self.delivered_at: float | None = None  # None: nothing delivered yet
+        self.shown = False  # some delivered event had text
 
     def is_due(self, now: float, interval: float) -> bool:
-        """Whether pending events must go out now: the first delivery, or ``interval`` since
-        the last one."""
+        """Whether pending events must go out now: the first delivery, the first text (a
+        first token that is only part of a character, or held back for a stop string, shows
+        nothing, and the client's time to first token is its first text), or ``interval``
+        since the last one."""
         if not self.pending:
             return False
-        return self.delivered_at is None or now - self.delivered_at >= interval
+        if self.delivered_at is None or now - self.delivered_at >= interval:
+            return True
+        return not self.shown and any(e.text for e in self.pending)
 
     def take_all(self, now: float) -> list[TokenEvent]:
         """Every pending event, oldest first; none is pending afterwards."""
         events, self.pending = self.pending, []
         if events:
             self.delivered_at = now
+            self.shown = self.shown or any(e.text for e in events)
         return events
 
     def add_token(self, token: int) -> tuple[str, bool]:
