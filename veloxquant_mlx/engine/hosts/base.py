@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +29,28 @@ from veloxquant_mlx.engine.types import (
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.core import Parts
+
+
+def wait_cancellable(
+    future: Future[Any],
+    timeout: float,
+    cancelled: threading.Event | None,
+    on_cancel: Callable[[], object],
+) -> Any:
+    """``future``'s result within ``timeout`` seconds; when ``cancelled`` is set meanwhile,
+    ``on_cancel()`` (tell the engine to stop) and CancelledError. Polled every 50 ms."""
+    if cancelled is None:
+        return future.result(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(min(0.05, max(0.0, deadline - time.monotonic())))
+        except FutureTimeout:
+            if cancelled.is_set():
+                on_cancel()
+                raise CancelledError from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 class HostBase:

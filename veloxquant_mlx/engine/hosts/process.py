@@ -21,13 +21,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import CancelledError, Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.hosts.base import HostBase
+from veloxquant_mlx.engine.hosts.base import HostBase, wait_cancellable
 from veloxquant_mlx.engine.hosts.messages import (
     Add,
     Call,
@@ -361,21 +360,14 @@ class EngineProcess(HostBase):
     ) -> list[Any]:
         """As ``Engine.score``, in the child (blocks the caller); ``cancelled`` sends the
         child a ``cancel_score`` for this call, which stops it at its next chunk."""
-        if cancelled is None:
-            return list(self._call("score", (prompt, top, timeout), timeout + 5.0))
         future, call_id = self._start_call("score", (prompt, top, timeout))
-        deadline = time.monotonic() + timeout + 5.0
+
+        def cancel() -> None:
+            with contextlib.suppress(EngineNotReadyError):
+                self._send(Call(next(self._ids), "cancel_score", (call_id,)))
+
         try:
-            while True:
-                try:
-                    return list(future.result(0.05))
-                except FutureTimeout:
-                    if cancelled.is_set():
-                        with contextlib.suppress(EngineNotReadyError):
-                            self._send(Call(next(self._ids), "cancel_score", (call_id,)))
-                        raise CancelledError from None
-                    if time.monotonic() >= deadline:
-                        raise
+            return list(wait_cancellable(future, timeout + 5.0, cancelled, cancel))
         finally:
             with self._lock:
                 self._calls.pop(call_id, None)

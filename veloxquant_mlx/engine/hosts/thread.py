@@ -13,14 +13,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.hosts.base import HostBase
+from veloxquant_mlx.engine.hosts.base import HostBase, wait_cancellable
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
@@ -321,17 +321,12 @@ class Engine(HostBase):
         if problem is not None:
             raise problem
         future = self._command(Score(tuple(prompt), top))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return list(future.result(0.05 if cancelled is not None else timeout))
-            except FutureTimeout:
-                if cancelled is not None and cancelled.is_set():
-                    future.cancel()  # the engine drops it at its next chunk
-                    raise CancelledError from None
-                if time.monotonic() >= deadline:
-                    future.cancel()
-                    raise
+        # on a cancel (or the timeout) the engine drops the job at its next chunk
+        try:
+            return list(wait_cancellable(future, timeout, cancelled, future.cancel))
+        except FutureTimeout:
+            future.cancel()
+            raise
 
     def group_pools(self, timeout: float = 30.0) -> list[list[int]]:
         """``[rank, blocks, free, blocks in use, owners]`` for the pool of every rank of the
