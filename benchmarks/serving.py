@@ -12,8 +12,15 @@ side in one run:
 - ``mlx_lm.server`` on the same model and load.
 
 Prompts are ``--prompt-tokens`` long (random words sized by the tokenizer), outputs
-``--max-tokens`` (a range gives varied lengths). Writes ``serving.json`` and ``serving.md`` in
-``--out``. Every server it starts is stopped by pid before it returns.
+``--max-tokens`` (a range gives varied lengths). ``--sampling`` runs each of our servers under
+more kinds of traffic, one after the other on the same server: ``greedy``, ``sampled``
+(temperature 0.7, top_p 0.9), ``bias`` (sampled, and a logit_bias of 8 ids) and ``schema``
+(sampled, a JSON schema response_format; chat API). With ``--peak-gbs`` (the device's memory
+bandwidth: 4800 for an H200) the report says, per level, the bytes a decode step must read
+(the weights, and every row's KV at its mean context), the bandwidth the measured tokens/s
+imply and its fraction of the peak, and the tokens/s the peak would allow (the roofline).
+Writes ``serving.json`` and ``serving.md`` in ``--out``. Every server it starts is stopped by
+pid before it returns.
 """
 
 from __future__ import annotations
@@ -60,6 +67,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
     "tiny": {},  # the embedded default model's shape
+    # ~80M parameters with a 32,000-token vocabulary (Llama-2's, Mistral's): sampling's share
+    # of a CPU step at a vocabulary of a real model's size.
+    "32k": {
+        "hidden_size": 768,
+        "num_hidden_layers": 8,
+        "intermediate_size": 2048,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 32000,
+    },
     # The 1B shape's 16 layers at a tiny width: a decode step is almost all host (Python and
     # launch) work, which is what a GPU step must hide behind its compute.
     "host": {
@@ -158,28 +176,78 @@ def library(path: Path, c: int, n: int, prompt_tokens: int, max_tokens: tuple[in
     return rate
 
 
+# --sampling: the load client's flags for each kind of traffic.
+TRAFFIC: dict[str, list[str]] = {
+    "greedy": [],
+    "sampled": ["--temperature", "0.7", "--top-p", "0.9"],
+    "bias": ["--temperature", "0.7", "--top-p", "0.9", "--logit-bias", "8"],
+    "schema": ["--temperature", "0.7", "--top-p", "0.9", "--json-schema"],
+}
+
+
 def serve_and_load(
-    cmd: list[str], port: int, model: str | None, levels: list[int], lt: argparse.Namespace,
-    requests: dict[int, int], log: Path,
-) -> dict[int, dict[str, float]]:  # fmt: skip
-    out: dict[int, dict[str, float]] = {}
+    cmd: list[str], port: int, model: str | None, levels: list[int],
+    lts: dict[str, argparse.Namespace], requests: dict[int, int], log: Path,
+) -> dict[str, dict[int, dict[str, float]]]:  # fmt: skip
+    """One server, loaded with each traffic of ``lts`` in turn: {traffic: {level: figures}}."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
     env = dict(os.environ)
     with server(cmd, port, env, log):
         url = f"http://127.0.0.1:{port}"
-        # warm-up: compile kernels for the shapes the levels use
-        asyncio.run(level(lt, url, model, 4, "warm-up", n_requests=8))
-        for c in levels:
-            s = asyncio.run(level(lt, url, model, c, f"c={c}", n_requests=requests[c]))
-            out[c] = {
-                "tok_s": s.output_tokens_per_s,
-                "ttft_p50_ms": s.ttft_s["p50"] * 1e3,
-                "ttft_p99_ms": s.ttft_s["p99"] * 1e3,
-                "errors": float(sum(s.errors_by_status.values())),
-                "requests": float(s.requests),
-                "prefix_hit_rate": s.prefix_hit_rate,
-            }
-            print(f"  c={c}: {out[c]}", flush=True)
+        for traffic, lt in lts.items():
+            # warm-up: compile kernels for the shapes the levels use
+            asyncio.run(level(lt, url, model, 4, "warm-up", n_requests=8))
+            out[traffic] = {}
+            for c in levels:
+                s = asyncio.run(level(lt, url, model, c, f"c={c}", n_requests=requests[c]))
+                out[traffic][c] = {
+                    "tok_s": s.output_tokens_per_s,
+                    "ttft_p50_ms": s.ttft_s["p50"] * 1e3,
+                    "ttft_p99_ms": s.ttft_s["p99"] * 1e3,
+                    "errors": float(sum(s.errors_by_status.values())),
+                    "requests": float(s.requests),
+                    "prefix_hit_rate": s.prefix_hit_rate,
+                }
+                print(f"  {traffic} c={c}: {out[traffic][c]}", flush=True)
     return out
+
+
+def step_bytes(path: Path, rows: int, context: float) -> float:
+    """The bytes one decode step of ``rows`` rows at a mean ``context`` must read at least:
+    every weight once, and every row's K and V."""
+    config = json.loads((path / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = 4 if config.get("torch_dtype") == "float32" else 2
+    kv_per_token = 2 * config["num_hidden_layers"] * heads * head_dim * width
+    return weights + rows * context * kv_per_token
+
+
+def roofline(results: dict[str, Any], path: Path, levels: list[int], peak_gbs: float,
+             context: float) -> list[str]:  # fmt: skip
+    """Per level: bytes a step reads, the roofline tok/s, and each server's achieved GB/s and
+    fraction of the peak (steps/s taken as tok/s over the level's rows)."""
+    servers = [k for k in results if k.startswith("ours-") or k == "mlx_lm"]
+    lines = [
+        f"Against the memory roofline ({peak_gbs:.0f} GB/s; mean context {context:.0f} tokens):",
+        "",
+        "| clients | bytes a step reads | roofline tok/s | "
+        + " | ".join(f"{s} GB/s (of peak)" for s in servers) + " |",
+        "|---:|---:|---:|" + "---:|" * len(servers),
+    ]  # fmt: skip
+    for c in levels:
+        need = step_bytes(path, c, context)
+        cells = [f"{need / 1e9:.2f} GB", f"{c * peak_gbs * 1e9 / need:,.0f}"]
+        for s in servers:
+            r = results[s].get(c)
+            if r is None:
+                cells.append("-")
+                continue
+            gbs = r["tok_s"] / c * need / 1e9
+            cells.append(f"{gbs:,.0f} ({gbs / peak_gbs:.1%})")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -229,6 +297,14 @@ def main() -> None:
         default=4,
         help="load client processes per level (one Python client caps near 4,000 tok/s)",
     )
+    p.add_argument(
+        "--sampling",
+        default="greedy",
+        help=f"kinds of traffic for our servers, of {','.join(TRAFFIC)} (each after the other)",
+    )
+    p.add_argument(
+        "--peak-gbs", type=float, default=0.0, help="device memory bandwidth: roofline figures"
+    )
     p.add_argument("--work", default="bench-work")
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
@@ -242,10 +318,16 @@ def main() -> None:
     path = write_model(work / f"model-{a.shape}{suffix}", a.shape, a.dtype, a.tokenizer_vocab)
     words = words_for(path, a.prompt_tokens)
     shared = words_for(path, a.shared_prefix_tokens) if a.shared_prefix_tokens else 0
-    lt = parse(["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,
-                "--no-leak-check", "--scrape-interval", "1.0", "--shared-prefix-words",
-                str(shared), "--turns", str(a.turns), "--processes", str(a.client_processes),
-                "--api", "chat" if a.turns > 1 else "completions"])  # fmt: skip
+    base = ["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,
+            "--no-leak-check", "--scrape-interval", "1.0", "--shared-prefix-words",
+            str(shared), "--turns", str(a.turns), "--processes", str(a.client_processes),
+            "--api", "chat" if a.turns > 1 else "completions"]  # fmt: skip
+    # each traffic its own prompts (a seed each): none finds another's in the prefix cache
+    lts = {
+        t: parse([*base, *TRAFFIC[t], "--seed", str(101 * i)])
+        for i, t in enumerate(a.sampling.split(","))
+    }
+    lt = lts.get("greedy") or next(iter(lts.values()))
     results: dict[str, Any] = {"shape": a.shape, "prompt_tokens": a.prompt_tokens,
                                "max_tokens": a.max_tokens, "words": words}  # fmt: skip
     peers = a.peers.split(",") if a.peers else []
@@ -270,18 +352,24 @@ def main() -> None:
                "--max-queue", "1024", "--kv-cache-mb", a.kv_cache_mb,
                "--log-level", "warning", *extra]  # fmt: skip
         print(name, flush=True)
-        results[name] = serve_and_load(cmd, port, None, levels, lt, requests, out / f"{name}.log")
+        runs = serve_and_load(cmd, port, None, levels, lts, requests, out / f"{name}.log")
+        for traffic, figures in runs.items():
+            results[name if traffic == "greedy" else f"{name}-{traffic}"] = figures
     if "mlx_lm" in peers:
         port = free_port()
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(path), "--port",
                str(port)]  # fmt: skip
         print("mlx_lm.server", flush=True)
         results["mlx_lm"] = serve_and_load(
-            cmd, port, str(path), levels, lt, requests, out / "mlx_lm.log"
-        )
+            cmd, port, str(path), levels, {"greedy": lt}, requests, out / "mlx_lm.log"
+        )["greedy"]
+    lines = report(results, levels)
+    if a.peak_gbs:
+        context = a.prompt_tokens + a.shared_prefix_tokens + (max_tokens[0] + max_tokens[1]) / 4
+        lines += ["", *roofline(results, path, levels, a.peak_gbs, context)]
     (out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "serving.md").write_text("\n".join(report(results, levels)) + "\n")
-    print("\n".join(report(results, levels)))
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 NO_TEXT = (

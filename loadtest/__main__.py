@@ -58,6 +58,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (sampled traffic)")
+    p.add_argument(
+        "--logit-bias", type=int, default=0, help="a logit_bias of this many ids on each request"
+    )
+    p.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="a JSON schema response_format on each request (structured outputs; chat API)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput: per-token bound, s")
@@ -114,6 +122,8 @@ async def level(
         api_key=args.api_key,
         shared_prefix_words=args.shared_prefix_words,
         turns=args.turns,
+        logit_bias=args.logit_bias,
+        json_schema=args.json_schema,
     )
     limits = httpx.Limits(max_connections=max(concurrency, 64) * 2)
     async with httpx.AsyncClient(limits=limits, timeout=sc.request_timeout) as client:

@@ -43,6 +43,19 @@ class Scenario:
     api_key: str | None = None
     shared_prefix_words: int = 0  # a system prompt of this many words, shared by every request
     turns: int = 1  # > 1: conversations of this many turns, each resending its history (chat)
+    logit_bias: int = 0  # > 0: a logit_bias of this many token ids on every request
+    json_schema: bool = False  # a JSON schema response_format on every request (chat)
+
+
+# The schema sampled traffic with structured outputs sends: an object with a string and a list.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string"},
+        "steps": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["answer", "steps"],
+}
 
 
 def check_loopback(url: str) -> None:
@@ -103,8 +116,15 @@ async def one(
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": sc.temperature}
     if sc.top_p < 1.0:
         body["top_p"] = sc.top_p
+    if sc.logit_bias:  # small biases on ids every vocabulary has (the first 256 are bytes)
+        body["logit_bias"] = {str(300 + 7 * i): (-1.0) ** i * 0.5 for i in range(sc.logit_bias)}
     system = system_prompt(sc)
-    if sc.api == "chat" or history:
+    if sc.json_schema:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": SCHEMA},
+        }
+    if sc.api == "chat" or history or sc.json_schema:
         url = f"{sc.base_url}/v1/chat/completions"
         head = [{"role": "system", "content": system}] if system else []
         body["messages"] = [*head, *(history or []), {"role": "user", "content": prompt}]

@@ -513,26 +513,21 @@ class FailsAtFifthToken:
         return self.inner.finalize()
 
 
-def test_a_failing_processor_or_detokenizer_fails_its_request_alone(engine, monkeypatch):
-    """Fault injection into the real step: one request's logits processor raises at its 3rd
-    token, another's detokenizer at its 5th; the third request is untouched."""
-    from veloxquant_mlx.engine.loop import core
+def test_a_failing_grammar_or_detokenizer_fails_its_request_alone(engine, monkeypatch):
+    """Fault injection into the real step: one request's grammar raises at its 3rd token,
+    another's detokenizer at its 5th; the third request is untouched."""
+    from veloxquant_mlx.engine.request.grammar import GrammarRow
+    from veloxquant_mlx.server.structured import schema_grammar
 
     parts = engine._core.parts
-    real_processors, real_factory = core.make_processors, parts.new_detokenizer
+    real_advance, real_factory = GrammarRow.advance, parts.new_detokenizer
+    calls = {"n": 0}
 
-    def processors(params, *grammar):
-        if params.presence_penalty != 1.5:
-            return real_processors(params, *grammar)
-        calls = {"n": 0}
-
-        def explode(tokens, logits):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("processor bug")
-            return logits
-
-        return [explode]
+    def advance(self, token):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("grammar bug")
+        return real_advance(self, token)
 
     made = {"n": 0}
 
@@ -541,18 +536,20 @@ def test_a_failing_processor_or_detokenizer_fails_its_request_alone(engine, monk
         detok = real_factory()
         return detok if made["n"] != 2 else FailsAtFifthToken(detok)
 
-    monkeypatch.setattr(core, "make_processors", processors)
+    monkeypatch.setattr(GrammarRow, "advance", advance)
     monkeypatch.setattr(parts, "new_detokenizer", detokenizer)
+    assert engine.grammars is not None
+    grammar = engine.grammars.compile(schema_grammar({"type": "string", "minLength": 20}, "s"))
     ps = prompts(engine, 3)
     faulty = engine.submit(
-        GenerationRequest(tuple(ps[0]), 30, SamplingParams(temperature=0.0, presence_penalty=1.5))
+        GenerationRequest(tuple(ps[0]), 30, SamplingParams(0.0), grammar=grammar)
     )
     time.sleep(0.02)
     broken_text = engine.submit(request(ps[1], max_tokens=30))
     fine = engine.submit(request(ps[2], max_tokens=30))
     f1, f2 = faulty.collect(30)[1], broken_text.collect(30)[1]
     assert (f1.finish_reason, f1.error_code) == ("error", REQUEST_FAILED)
-    assert "logits processor" in f1.error
+    assert "grammar" in f1.error and "RuntimeError" in f1.error
     assert (f2.finish_reason, f2.error_code) == ("error", REQUEST_FAILED)
     assert "detokenizer" in f2.error
     assert fine.collect(30)[1].finish_reason == "length"

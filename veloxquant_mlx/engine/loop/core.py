@@ -38,10 +38,10 @@ from veloxquant_mlx.engine.loop.turns import TurnSource
 from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID
 from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
-from veloxquant_mlx.engine.request.grammar import GrammarCompiler
+from veloxquant_mlx.engine.request.grammar import GrammarCompiler, GrammarRow
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.request.running import Running
-from veloxquant_mlx.engine.request.sampling import make_processors, make_sampler
+from veloxquant_mlx.engine.request.sampling import RowSampling
 from veloxquant_mlx.engine.request.scoring import ScoringJob, prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
@@ -286,26 +286,28 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def _start(self, seq: Seq) -> None:
-        """Make an admitted request's sampler, processors and detokenizer. A failure of its
-        own parts fails it alone."""
+        """Make an admitted request's sampling, grammar matcher and detokenizer. A failure of
+        its own parts fails it alone."""
         request = seq.handle.request
         fault = RequestFault(seq.request_id, self._faulted)
+        where = "sampler"
         try:
-            sampler = make_sampler(request.sampling)
+            sampling = RowSampling(request.sampling, self.runner.vocab_size)
+            where = "setup"
             grammar = request.grammar
             if grammar is not None and grammar.compiled is None:
                 # A follower rank: the turn carries the text, and the ranks step together, so
                 # it compiles here (cached: once per grammar). Hosts hand over compiled ones.
                 assert self.parts.grammars is not None, "a grammar for an unconstrained model"
                 grammar = self.parts.grammars.compile(grammar.text)
-            processors = make_processors(request.sampling, grammar, self.parts.vocab_size)
+            matcher = None if grammar is None else GrammarRow(grammar)
             detokenizer = self.parts.new_detokenizer()
         except Exception as exc:
-            fault.record("setup", exc)
+            fault.record(where, exc)
             self._faulted.remove(fault)
             self._end(seq, "error", fault.error, REQUEST_FAILED)
             return
-        seq.state = RowState(sampler, processors, fault)
+        seq.state = RowState(sampling, matcher, fault)
         seq.out = Running(seq.handle, detokenizer, fault)
         with self.inbox.lock:
             self.inbox.counters.prompt_tokens += seq.n_prompt

@@ -8,6 +8,9 @@ are the inbox's, under its lock.
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.inbox import Inbox
 from veloxquant_mlx.engine.loop.runner import Sampled
@@ -29,6 +32,12 @@ def read_back(
     one is due; returns the requests that finished, with why ("stop", "length"), for the core
     to end. A request's own text, stop strings and logprobs failing is its fault alone."""
     tokens: list[int] = sampled.tokens.tolist()  # type: ignore[assignment]
+    drawn = sampled.drawn  # logprobs: one read for the batch, then plain lists
+    chosen, top_ids, top_lps = (
+        _listed(drawn.token_logprobs),
+        _listed(drawn.top_ids),
+        _listed(drawn.top_logprobs),
+    )
     now = time.monotonic()
     finished: list[tuple[Seq, str]] = []
     stepped: list[Running] = []
@@ -46,8 +55,11 @@ def read_back(
         at_eos = token in eos
         try:
             text, stopped = run.add_eos() if at_eos else run.add_token(token)
-            row = None if sampled.logprobs is None else sampled.logprobs[i]
-            logprob, top = run.logprobs(token, row)
+            logprob, top = run.logprobs(
+                chosen[i] if chosen else None,
+                top_ids[i] if top_ids else [],
+                top_lps[i] if top_lps else [],
+            )
         except Exception as exc:
             run.fault.record("detokenizer or logprobs", exc)
             continue
@@ -68,6 +80,10 @@ def read_back(
     if finished or any(r.is_due(now, interval) for r in stepped):
         RequestHandle.push_tokens([(r.handle, r.take_all(now)) for r in stepped])
     return finished
+
+
+def _listed(values: mx.array | None) -> list[Any]:
+    return [] if values is None else values.tolist()  # type: ignore[return-value]
 
 
 def push_finish(

@@ -3,11 +3,11 @@ runs the model; engine thread only.
 
 A request is prefilled alone, in chunks, into stock mlx_lm caches; then its KV is copied into the
 batch's memory (``kv.paged``: its blocks, or its row of the working set) and it joins the next
-decode step. A step feeds every row its last sampled token at its own position, samples each row
-with its own sampler and processors, and is evaluated asynchronously: the engine reads step
-``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row leaves by
-leaving a hole in its slot (computed, masked, never read) that the next arrival fills: nobody's
-KV moves or is copied when a row joins or leaves.
+decode step. A step feeds every row its last sampled token at its own position, samples every
+row in one vectorized pass (``request.sampling``), and is evaluated asynchronously: the engine
+reads step ``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row
+leaves by leaving a hole in its slot (computed, masked, never read) that the next arrival
+fills: nobody's KV moves or is copied when a row joins or leaves.
 """
 
 from __future__ import annotations
@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    BatchKVCache,
-    KVCache,
-    RotatingKVCache,
-    TokenBuffer,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.loop.scheduler import Chunk, Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
+from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
+from veloxquant_mlx.engine.request.sampling import (
+    BatchSampler,
+    Drawn,
+    RowSampling,
+    bitmask_to_allowed,
+)
 from veloxquant_mlx.kv.layout import KVLayout
 from veloxquant_mlx.kv.step import StepCache
-
-Processor = Callable[[mx.array, mx.array], mx.array]
-Sampler = Callable[[mx.array], mx.array]
 
 
 def check_supported(model: Any) -> None:
@@ -47,17 +45,16 @@ def check_supported(model: Any) -> None:
 
 
 class RowState:
-    """The MLX side of one request: sampler, processors, token context, prefill progress."""
+    """The MLX side of one request: its sampling, grammar, prefill progress."""
 
-    __slots__ = ("caches", "context", "fault", "joined", "next_input", "processors", "sampler")
+    __slots__ = ("caches", "fault", "grammar", "joined", "next_input", "sampling")
 
     def __init__(
-        self, sampler: Sampler | None, processors: list[Processor], fault: RequestFault
+        self, sampling: RowSampling, grammar: GrammarRow | None, fault: RequestFault
     ) -> None:
-        self.sampler = None if sampler is None else fault.sampler(sampler)
-        self.processors = [fault.processor(p) for p in processors]
+        self.sampling = sampling
+        self.grammar = grammar
         self.fault = fault
-        self.context: TokenBuffer | None = None
         self.caches: list[KVCache] | None = None  # during prefill
         self.next_input: mx.array | None = None  # [1]: the token the next step feeds
         self.joined = False  # in the batch (prefill done)
@@ -81,7 +78,7 @@ class Sampled:
 
     seqs: list[Seq | None]  # None: a hole in the batch
     tokens: mx.array  # [rows]
-    logprobs: mx.array | None  # [rows, vocab], when a row asked for logprobs
+    drawn: Drawn  # the tokens, their logprobs when a row asked, the sampler's carried state
 
 
 class Runner:
@@ -93,9 +90,10 @@ class Runner:
         block_size: Tokens per pool block (a cached page).
     """
 
-    def __init__(self, model: Any, kv: KVLayout, block_size: int = 16) -> None:
+    def __init__(self, model: Any, kv: KVLayout, vocab_size: int, block_size: int = 16) -> None:
         self.model = model
         self.kv = kv
+        self.vocab_size = vocab_size
         self.block_size = block_size
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
@@ -103,6 +101,7 @@ class Runner:
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
+        self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
 
     # ------------------------------------------------------------------ prefill
 
@@ -131,9 +130,7 @@ class Runner:
         if not chunk.completes:  # the next chunk builds on these: start them now
             mx.async_eval([(c.keys, c.values) for c in state.caches])
             return None
-        state.context = TokenBuffer(tokens) if state.processors else None
-        context = mx.array(tokens, dtype=mx.int32) if state.processors else None
-        sampled = self._sample([seq], logits[:, -1, :], [context])
+        sampled = self._sample_first([seq], logits[:, -1, :])
         self._join(seq)
         state.next_input = sampled.tokens
         mx.async_eval(sampled.tokens)
@@ -172,11 +169,9 @@ class Runner:
         tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         logits = self.model(tokens, cache=caches)[:, -1, :]
-        contexts = [mx.array(s.tokens) if row_state(s).processors else None for s in seqs]
-        sampled = self._sample(list(seqs), logits, contexts)
+        sampled = self._sample_first(list(seqs), logits)
         for i, seq in enumerate(seqs):
             state = row_state(seq)
-            state.context = TokenBuffer(seq.tokens) if state.processors else None
             p = padding[i]
             rows = [
                 (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
@@ -251,9 +246,14 @@ class Runner:
         if not rows:
             return None
         last = self._last
-        if last is not None and last.seqs == rows:
+        same_rows = last is not None and last.seqs == rows
+        if last is not None and same_rows:
             inputs = last.tokens
         else:  # a hole (a row that left) feeds token 0 at position 0 of its own slot
+            if last is not None:  # the rows that stay feed from the latest step's tokens
+                for i, seq in enumerate(last.seqs):
+                    if seq is not None and seq.state is not None:
+                        seq.state.next_input = last.tokens[i : i + 1]
             hole = mx.zeros((1,), dtype=mx.uint32)
             inputs = mx.concatenate(
                 [hole if s is None else _next_input(s).astype(mx.uint32) for s in rows]
@@ -262,18 +262,9 @@ class Runner:
         self.kv.begin_step(batch, max_block_id)
         caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
-        contexts: list[mx.array | None] = []
-        for i, seq in enumerate(rows):
-            state: RowState | None = None if seq is None else seq.state
-            if state is not None and state.processors:
-                assert state.context is not None
-                contexts.append(state.context.update_and_fetch(inputs[i : i + 1]))
-            else:
-                contexts.append(None)
-        sampled = self._sample(rows, logits, contexts)
-        for i, seq in enumerate(rows):
-            if seq is not None:
-                row_state(seq).next_input = sampled.tokens[i : i + 1]
+        if self._sampler is None or not same_rows:
+            self._sampler = self._sampler_for(rows, self._sampler)
+        sampled = self._sample(rows, logits, self._sampler, inputs)
         self._last = sampled
         return sampled
 
@@ -281,9 +272,7 @@ class Runner:
         """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later),
         with whatever was deferred to it (``defer``)."""
         extra, self._deferred = self._deferred, []
-        mx.async_eval(
-            sampled.tokens, *([] if sampled.logprobs is None else [sampled.logprobs]), *extra
-        )
+        mx.async_eval(sampled.tokens, *_logprob_arrays(sampled.drawn), *sampled.drawn.state, *extra)
 
     def defer(self, arrays: list[mx.array]) -> None:
         """Evaluate ``arrays`` with the next launch (``flush`` if none comes): one evaluation
@@ -296,32 +285,57 @@ class Runner:
             extra, self._deferred = self._deferred, []
             mx.async_eval(extra)
 
+    def _sampler_for(
+        self, seqs: list[Seq | None], previous: BatchSampler | None = None
+    ) -> BatchSampler:
+        asked = [s.handle.request for s in seqs if s is not None and s.handle.request.logprobs]
+        top = max((r.top_logprobs for r in asked), default=0) if asked else None
+        return BatchSampler([_sampling(s) for s in seqs], self.vocab_size, top, previous)
+
+    def _sample_first(self, seqs: list[Seq], logits: mx.array) -> Sampled:
+        """The first tokens of prompts that complete their prefill (their windows start from
+        the prompts' tails; their keys and windows go back to them after)."""
+        for seq in seqs:
+            row_state(seq).sampling.start_window(seq.tokens, self.vocab_size)
+        sampler = self._sampler_for(list(seqs))
+        sampled = self._sample(list(seqs), logits, sampler)
+        sampler.release()
+        return sampled
+
     def _sample(
-        self, seqs: list[Seq | None], logits: mx.array, contexts: list[mx.array | None]
+        self,
+        seqs: list[Seq | None],
+        logits: mx.array,
+        sampler: BatchSampler,
+        inputs: mx.array | None = None,
     ) -> Sampled:
-        live = [s for s in seqs if s is not None]
-        states = [None if s is None else row_state(s) for s in seqs]
-        if any(st.processors for st in states if st is not None):
-            parts = []
-            for i, st in enumerate(states):
-                row = logits[i : i + 1]
-                for processor in () if st is None else st.processors:
-                    row = processor(contexts[i], row)  # type: ignore[arg-type]
-                parts.append(row)
-            logits = mx.concatenate(parts)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-        if any(st is not None and st.sampler is not None for st in states):
-            tokens = mx.concatenate(
-                [
-                    tokens[i : i + 1]
-                    if st is None or st.sampler is None
-                    else st.sampler(logprobs[i : i + 1]).astype(mx.uint32)
-                    for i, st in enumerate(states)
-                ]
-            )
-        wants = any(s.handle.request.logprobs for s in live)
-        return Sampled(seqs, tokens, logprobs if wants else None)
+        drawn = sampler.draw(logits, inputs, self._allowed(seqs, inputs))
+        return Sampled(seqs, drawn.tokens, drawn)
+
+    def _allowed(self, seqs: list[Seq | None], inputs: mx.array | None) -> mx.array | None:
+        """The grammar masks of the constrained rows (fed the tokens this step feeds first; a
+        grammar that fails fails its request alone), or None when no row is constrained."""
+        rows = [
+            (i, s.state)
+            for i, s in enumerate(seqs)
+            if s is not None and s.state is not None and s.state.grammar is not None
+        ]
+        if not rows:
+            return None
+        fed: list[int] = [] if inputs is None else inputs.tolist()  # type: ignore[assignment]
+        live: list[tuple[int, GrammarRow]] = []
+        for i, state in rows:
+            assert state.grammar is not None
+            if fed and state.fault.error is None:
+                try:
+                    state.grammar.advance(fed[i])
+                except Exception as exc:
+                    state.fault.record("grammar", exc)
+            if state.fault.error is None:
+                live.append((i, state.grammar))
+        if not live:
+            return None
+        return bitmask_to_allowed(fill_masks(live, len(seqs), self.vocab_size), self.vocab_size)
 
     def remove(self, seq: Seq) -> None:
         """Take ``seq``'s row out of the batch (finish, cancel, preemption); O(row)."""
@@ -333,6 +347,8 @@ class Runner:
             return
         state.joined = False
         slot = self.rows.index(seq)
+        if self._sampler is not None:  # its key and window go with it (a preempted row returns)
+            self._sampler.release_row(slot, state.sampling)
         self.rows[slot] = None  # a hole: nothing moves; the next arrival takes the slot
         self.kv.set_hole(slot)
         while self.rows and self.rows[-1] is None:
@@ -340,3 +356,13 @@ class Runner:
         if not self.rows:
             self.kv.clear()
             self._last = None
+            self._sampler = None
+
+
+def _sampling(seq: Seq | None) -> RowSampling | None:
+    return None if seq is None else row_state(seq).sampling
+
+
+def _logprob_arrays(drawn: Drawn) -> list[mx.array]:
+    parts = (drawn.token_logprobs, drawn.top_ids, drawn.top_logprobs)
+    return [a for a in parts if a is not None]

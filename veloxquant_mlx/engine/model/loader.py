@@ -271,7 +271,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)
         attention.install(model)
     kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused)
-    runner = Runner(model, kv, cfg.block_size)
+    vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
+    runner = Runner(model, kv, vocab_size, cfg.block_size)
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,
@@ -301,7 +302,6 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         blas,
     )
     device = str(mx.default_device())
-    vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     return Runtime(
         model,
         tokenizer,

@@ -1,25 +1,20 @@
-"""Per-request fault isolation for the callables BatchGenerator runs inside a shared step."""
+"""Per-request fault isolation: one request's own failure (its sampling settings, grammar,
+detokenizer, logprobs) ends that request, never the batch's step."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-
-import mlx.core as mx
 
 log = logging.getLogger("veloxquant.engine")
 
-Sampler = Callable[[mx.array], mx.array]
-Processor = Callable[[mx.array, mx.array], mx.array]
-
 
 class RequestFault:
-    """The first failure of one request's own code (sampler, logits processors, text).
+    """The first failure of one request's own code (sampling setup, grammar, text).
 
-    BatchGenerator calls every row's sampler and processors inside one batched step, so an
-    exception in one of them would abort the step for every row. The wrappers made here catch
-    it, remember it, and stand in with a harmless value of the right shape (the argmax token,
-    the logits unchanged) so the step completes for everyone; the engine then ends this request
+    Every row is sampled in one batched pass, so an exception from one request's part would
+    abort the step for every row. The engine catches it where it runs per row (setup, the
+    grammar's advance, the detokenizer), records it here, and leaves the row unconstrained for
+    the rest of the step so the step completes for everyone; the engine then ends this request
     with an error. Owned by the request's ``Running`` record; engine thread only.
 
     What cannot be isolated: an error MLX raises only when the step's graph is evaluated (it is
@@ -47,25 +42,3 @@ class RequestFault:
             )
             self.error = f"generation failed in this request's {where} ({type(exc).__name__})"
             self.sink.append(self)
-
-    def sampler(self, fn: Sampler) -> Sampler:
-        def guarded(logprobs: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(logprobs)
-                except Exception as exc:
-                    self.record("sampler", exc)
-            return mx.argmax(logprobs, axis=-1)
-
-        return guarded
-
-    def processor(self, fn: Processor) -> Processor:
-        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
-            if self.error is None:
-                try:
-                    return fn(tokens, logits)
-                except Exception as exc:
-                    self.record("logits processor", exc)
-            return logits
-
-        return guarded

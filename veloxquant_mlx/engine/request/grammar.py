@@ -1,6 +1,6 @@
 """Grammar-constrained decoding with llguidance: grammars compiled off the engine thread, one
-matcher per request, applied as that request's logits processor, so constrained requests stay
-batched with everyone else.
+matcher per request, its allowed tokens filled into the batch's one bitmask each step
+(``fill_masks``), so constrained requests stay batched with everyone else.
 
 Why llguidance: vLLM, SGLang and llama.cpp use it; it reports unsupported schema keywords by
 name, bounds its own work (``LLParserLimits``) and ships as a prebuilt wheel (no code is compiled
@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("veloxquant.engine")
@@ -49,7 +48,10 @@ def grammar_tokenizer(tokenizer: Any, n_vocab: int) -> Any | None:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     try:
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
-        return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos)
+        try:
+            return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos)
+        except TypeError:  # some llguidance builds take one end-of-sequence id
+            return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos[0])
     except Exception as exc:  # not a fast tokenizer, or one llguidance cannot read
         log.warning("structured outputs are off for this tokenizer: %s", exc)
         return None
@@ -190,37 +192,45 @@ def _done(text: str, outcome: Any) -> Future[Grammar]:
     return future
 
 
-class GrammarProcessor:
-    """A logits processor that allows only tokens the request's grammar accepts next.
-
-    Owns one ``LLMatcher`` (a copy of the compiled grammar's). Called once per generated token
-    with the row's token context (prompt + generated so far): the tokens that arrived since the
-    last call are fed to the matcher, then every token the grammar rejects gets -inf. Once the
-    grammar is complete only end-of-sequence is allowed. Reading the sampled token is a
-    synchronisation point for the batch (the mask depends on it); only constrained requests pay
-    it. Engine thread only.
+class GrammarRow:
+    """One constrained request's matcher (a copy of the compiled grammar's). ``advance`` feeds
+    it each token the row generates; ``fill_masks`` computes every constrained row's next
+    allowed tokens into one bitmask for the batch. Once the grammar is complete only
+    end-of-sequence is allowed. Reading the sampled token is a synchronisation point for the
+    batch (the mask depends on it); only batches with a constrained row pay it. Engine thread
+    only.
     """
 
-    def __init__(self, grammar: Grammar, vocab_size: int) -> None:
-        self.matcher = grammar.matcher()
-        self.vocab_size = vocab_size
-        self._seen: int | None = None  # context length at the last call
+    __slots__ = ("matcher",)
 
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        n = int(tokens.shape[-1])
-        if self._seen is not None and n > self._seen and not self.matcher.is_stopped():
-            # Once complete (end of sequence sampled), the batch may still run this row one
-            # more step before it leaves: nothing more is fed to the matcher then.
-            new: list[int] = tokens[..., self._seen :].reshape(-1).tolist()  # type: ignore[assignment]
-            for token in new:
-                if self.matcher.is_stopped():
-                    break
-                if not self.matcher.consume_token(token):
-                    raise ValueError(f"a token broke the grammar: {self.matcher.get_error()}")
-        self._seen = n
-        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
-        if allowed.shape[0] < self.vocab_size:  # ids llguidance does not know are never allowed
-            allowed = np.pad(allowed, (0, self.vocab_size - allowed.shape[0]))
-        mask = mx.array(allowed)
-        return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+    def __init__(self, grammar: Grammar) -> None:
+        self.matcher = grammar.matcher()
+
+    def advance(self, token: int) -> None:
+        """Feed the row's latest token; ValueError if the grammar rejects it. Once complete (end
+        of sequence sampled), the batch may still run the row one more step before it leaves:
+        nothing more is fed then."""
+        if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+            raise ValueError(f"a token broke the grammar: {self.matcher.get_error()}")
+
+
+_executor: Any = None
+
+
+def fill_masks(rows: list[tuple[int, GrammarRow]], n_rows: int, vocab_size: int) -> np.ndarray:
+    """The batch's packed bitmask [n_rows, words] (llguidance's layout, int32): every bit set
+    for unconstrained rows, each listed row's allowed tokens for its index (llguidance fills
+    them in parallel, off the GIL)."""
+    global _executor
+    import llguidance
+    import llguidance.numpy
+
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bits = llguidance.numpy.allocate_token_bitmask(n_rows, vocab_size)
+    for i, _row in rows:
+        bits[i] = 0  # ids the tokenizer does not know are never allowed
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _executor, [(row.matcher, i) for i, row in rows], bits
+    )
+    return bits

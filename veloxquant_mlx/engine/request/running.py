@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import mlx.core as mx
-
 from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.handle import RequestHandle
@@ -78,19 +74,12 @@ class Running:
         return text if stopped else text + self.stops.flush()
 
     def logprobs(
-        self, token: int, logprobs: Any
+        self, chosen: float | None, top_ids: list[int], top_logprobs: list[float]
     ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        """This request's share of a step's logprobs (the drawn token's, and the batch's top
+        ones, most likely first), or (None, ()) when it did not ask for them."""
         request = self.handle.request
-        if not request.logprobs:
+        if not request.logprobs or chosen is None:
             return None, ()
-        lp = logprobs.astype(mx.float32)
-        top: tuple[tuple[int, float], ...] = ()
-        if request.top_logprobs:
-            k = request.top_logprobs
-            idx = mx.argpartition(-lp, kth=k - 1)[:k]
-            values = lp[idx]
-            order = mx.argsort(-values)
-            ids: list[int] = idx[order].tolist()  # type: ignore[assignment]
-            lps: list[float] = values[order].tolist()  # type: ignore[assignment]
-            top = tuple(zip(ids, lps, strict=True))
-        return float(lp[token].item()), top
+        k = request.top_logprobs
+        return chosen, tuple(zip(top_ids[:k], top_logprobs[:k], strict=True))

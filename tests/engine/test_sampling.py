@@ -1,0 +1,193 @@
+"""The batched sampler against mlx_lm's per-row filters, penalties and bias, and its draws."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from veloxquant_mlx.engine.request.sampling import (
+    WINDOW,
+    BatchSampler,
+    RowSampling,
+    _filter,
+    _host_rank_cut,
+    bitmask_to_allowed,
+)
+from veloxquant_mlx.engine.types import SamplingParams
+
+VOCAB = 97
+
+
+def logprobs_of(rows: int, seed: int) -> mx.array:
+    logits = mx.random.normal((rows, VOCAB), key=mx.random.key(seed)) * 3
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def stock_filter(row: mx.array, p: SamplingParams) -> mx.array:
+    """mlx_lm's make_sampler chain for one row: top_p, min_p, top_k."""
+    if 0.0 < p.top_p < 1.0:
+        row = apply_top_p(row, p.top_p)
+    if p.min_p > 0.0:
+        row = apply_min_p(row, p.min_p)
+    if p.top_k > 0:
+        row = apply_top_k(row, p.top_k)
+    return row
+
+
+row_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.5, 1.0]),
+    top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]),
+    top_k=st.sampled_from([0, 1, 5, 50]),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(params=st.lists(row_params, min_size=1, max_size=6), seed=st.integers(0, 2**31))
+def test_each_rows_filters_keep_what_mlx_lms_keep(params, seed):
+    """One pass over rows with different top_p / min_p / top_k keeps, per row, exactly the
+    tokens mlx_lm's filters keep for that row alone (greedy rows are left whole)."""
+    lp = logprobs_of(len(params), seed)
+    sampler = BatchSampler([RowSampling(p, VOCAB) for p in params], VOCAB)
+    if not sampler.sampled:
+        return
+    on_device = _filter(lp, *args_of(sampler), sampler.uses_sort)
+    cut = _host_rank_cut(lp, sampler.top_p, sampler.top_k)  # the CPU's way: sorted by numpy
+    on_host = _filter(lp, *args_of(sampler), False, cut)
+    for ours in (np.isfinite(np.array(on_device)), np.isfinite(np.array(on_host))):
+        for i, p in enumerate(params):
+            expected = np.ones(VOCAB, bool)
+            if not p.greedy:
+                expected = np.isfinite(np.array(stock_filter(lp[i : i + 1], p)))[0]
+            assert (ours[i] == expected).all(), (i, p)
+
+
+def args_of(sampler: BatchSampler) -> tuple:
+    return (sampler.top_p, sampler.top_k, sampler.min_p, sampler.uses_min_p)
+
+
+def test_penalties_and_bias_match_mlx_lms_processors_row_by_row():
+    rng = np.random.default_rng(3)
+    settings_ = [
+        SamplingParams(0.0, repetition_penalty=1.3, logit_bias=((5, 4.0), (9, -2.0))),
+        SamplingParams(1.0, presence_penalty=0.7, frequency_penalty=0.4),
+        SamplingParams(1.0),  # no processors: untouched
+        SamplingParams(0.7, repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.5),
+    ]
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 40, 10, 25)]
+    rows = [RowSampling(p, VOCAB) for p in settings_]
+    for row, prompt in zip(rows, prompts, strict=True):
+        row.start_window(prompt, VOCAB)
+    sampler = BatchSampler(rows, VOCAB)
+    contexts = [list(p) for p in prompts]
+    for step in range(3):
+        logits = mx.random.normal((4, VOCAB), key=mx.random.key(step))
+        inputs = None
+        if step:
+            fed = rng.integers(0, VOCAB, 4).tolist()
+            inputs = mx.array(fed, dtype=mx.uint32)
+            for c, t in zip(contexts, fed, strict=True):
+                c.append(t)
+        ours = logits
+        if sampler.bias is not None:
+            r, t, v = sampler.bias
+            ours = ours.at[r, t].add(v)
+        ours = sampler._penalize(ours, inputs)
+        for i, p in enumerate(settings_):
+            row = logits[i : i + 1]
+            for processor in make_logits_processors(
+                logit_bias=dict(p.logit_bias) or None,
+                repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
+                presence_penalty=p.presence_penalty or None,
+                frequency_penalty=p.frequency_penalty or None,
+            ):
+                row = processor(mx.array(contexts[i]), row)
+            assert np.allclose(np.array(ours[i]), np.array(row[0]), atol=1e-5), (step, i)
+    assert sampler.window is not None and sampler.window.shape == (4, WINDOW)
+
+
+def test_a_seeded_row_draws_the_same_alone_and_beside_others_across_steps():
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=42)
+
+    def run(others: list[SamplingParams]) -> list[int]:
+        rows: list[RowSampling | None] = [RowSampling(seeded, VOCAB)]
+        rows += [RowSampling(p, VOCAB) for p in others]
+        sampler = BatchSampler(rows, VOCAB)
+        out = []
+        for step in range(12):
+            base = logprobs_of(1, 100 + step)
+            logits = mx.concatenate([base] + [logprobs_of(1, step) for _ in others])
+            out.append(int(sampler.draw(logits).tokens[0].item()))
+            if step == 5:  # the row set changes: keys go back to the rows and on
+                sampler.release()
+                sampler = BatchSampler(rows, VOCAB)
+            if step == 8 and others:  # a row leaves (a hole), one joins: carried, not copied
+                rows[1] = None
+                rows.append(RowSampling(SamplingParams(0.8, seed=5), VOCAB))
+                others = [*others, others[0]]
+                sampler = BatchSampler(rows, VOCAB, previous=sampler)
+        return out
+
+    alone = run([])
+    assert alone == run([SamplingParams(1.0, seed=1), SamplingParams(0.0), SamplingParams(0.3)])
+    assert len(set(alone)) > 1
+    other = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=43)
+    rows = [RowSampling(other, VOCAB)]
+    sampler = BatchSampler(rows, VOCAB)
+    assert [int(sampler.draw(logprobs_of(1, 100 + s)).tokens[0].item()) for s in range(12)] != alone
+
+
+def test_draws_follow_the_tempered_distribution_and_greedy_rows_take_the_argmax():
+    """4,000 rows of one 4-token distribution, each with its own key: the draws' frequencies
+    are softmax(logits / temperature) within a few standard errors."""
+    logits = mx.array([[2.0, 1.0, 0.0, -1.0] + [-1e9] * (VOCAB - 4)])
+    n = 4000
+    rows = [RowSampling(SamplingParams(temperature=0.5, seed=i), VOCAB) for i in range(n)]
+    rows.append(RowSampling(SamplingParams(temperature=0.0), VOCAB))
+    drawn = BatchSampler(rows, VOCAB).draw(mx.repeat(logits, n + 1, axis=0))
+    tokens = np.array(drawn.tokens)
+    assert tokens[-1] == 0
+    freq = np.bincount(tokens[:n], minlength=VOCAB)[:4] / n
+    want = np.exp(np.array([2.0, 1.0, 0.0, -1.0]) / 0.5)
+    want /= want.sum()
+    assert np.abs(freq - want).max() < 4 * np.sqrt(want * (1 - want) / n).max()
+    assert (tokens < 4).all()
+
+
+def test_logprobs_are_the_drawn_tokens_and_the_top_k_most_likely_first():
+    lp = logprobs_of(3, 5)
+    rows = [RowSampling(SamplingParams(0.0), VOCAB), None, RowSampling(SamplingParams(1.0), VOCAB)]
+    drawn = BatchSampler(rows, VOCAB, top_logprobs=4).draw(lp)
+    tokens = np.array(drawn.tokens)
+    full = np.array(lp)
+    assert drawn.token_logprobs is not None and drawn.top_ids is not None
+    assert np.allclose(np.array(drawn.token_logprobs), full[np.arange(3), tokens], atol=1e-5)
+    ids = np.array(drawn.top_ids)
+    assert (ids == np.argsort(-full, axis=-1)[:, :4]).all()
+    assert tokens[0] == ids[0, 0]
+
+
+def test_a_grammar_bitmask_unpacks_to_the_allowed_tokens():
+    bits = np.zeros((2, (VOCAB + 31) // 32), dtype=np.int32)
+    allowed = [0, 31, 32, 63, 96]
+    for t in allowed:
+        bits[0, t // 32] |= np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(-(2**31))
+    bits[1] = -1
+    mask = np.array(bitmask_to_allowed(bits, VOCAB))
+    assert mask.shape == (2, VOCAB)
+    assert np.flatnonzero(mask[0]).tolist() == allowed
+    assert mask[1].all()
+
+
+def test_top_k_at_or_past_the_vocabulary_is_refused():
+    for k in (VOCAB, VOCAB + 1):
+        try:
+            RowSampling(SamplingParams(1.0, top_k=k), VOCAB)
+        except ValueError as exc:
+            assert "top_k" in str(exc)
+        else:
+            raise AssertionError("accepted")
