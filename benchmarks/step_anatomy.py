@@ -1,0 +1,102 @@
+"""What one decode step costs: operations in its graph, host time to build and launch it, and
+the wait for the device, for a batch of rows, greedy and sampled.
+
+    python -m benchmarks.step_anatomy --shape 1b --rows 1,128 --context 320
+
+A bare decode loop over the engine's dense KV layout and its batched sampler
+(``request.sampling``), no engine thread and no HTTP: each step is built (the model's forward
+over every row, then the sampling pass), launched with ``mx.async_eval`` and waited for
+(``mx.eval``); the next step feeds the sampled tokens. Reports the medians over ``--steps``
+steps after 3 of warm-up, and the primitives in one step's graph as ``mx.export_to_dot``
+writes them (MLX's own operations before its compiled functions fuse theirs: an upper bound
+on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.serving import write_model
+from benchmarks.single_stream import layout_with_rows, prefill, step_logits
+
+TRAFFIC = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def primitives(*outputs: object) -> int:
+    """The operations in the graph behind ``outputs`` (not yet evaluated)."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "step.dot"
+        mx.export_to_dot(str(path), *outputs)
+        return path.read_text().count("shape=rectangle")
+
+
+def anatomy(model: object, prompt: list[int], rows: int, traffic: str, steps: int) -> dict:
+    import mlx.core as mx
+
+    from veloxquant_mlx.engine.request.sampling import BatchSampler, RowSampling
+    from veloxquant_mlx.engine.types import SamplingParams
+
+    _, layers, y = prefill(model, prompt)
+    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4)
+    vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
+    params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
+    sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
+    tokens = mx.repeat(y.reshape(1).astype(mx.uint32), rows)
+    position = len(prompt)
+    build, launch, wait, ops = [], [], [], 0
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        drawn = sampler.draw(step_logits(model, kv, tokens, position, n_ids))
+        t1 = time.perf_counter()
+        if i == 3:
+            ops = primitives(drawn.tokens, *drawn.state)
+        t1b = time.perf_counter()
+        mx.async_eval(drawn.tokens, *drawn.state)
+        t2 = time.perf_counter()
+        mx.eval(drawn.tokens)
+        t3 = time.perf_counter()
+        if i >= 3:
+            build.append(t1 - t0)
+            launch.append(t2 - t1b)
+            wait.append(t3 - t2)
+        tokens, position = drawn.tokens, position + 1
+    ms = {k: statistics.median(v) * 1e3 for k, v in (("build", build), ("launch", launch),
+                                                      ("wait", wait))}  # fmt: skip
+    return {"rows": rows, "traffic": traffic, "ops": ops, **{f"{k}_ms": round(v, 3)
+            for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 3)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="tiny")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rows", default="1,128")
+    p.add_argument("--context", type=int, default=320, help="tokens in each row's KV")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--traffic", default="greedy,sampled")
+    p.add_argument("--work", default="bench-work")
+    a = p.parse_args()
+    import mlx_lm
+
+    path = write_model(Path(a.work) / f"model-{a.shape}", a.shape, a.dtype)
+    model = mlx_lm.load(str(path))[0]
+    prompt = [(7 * i) % 1000 + 3 for i in range(a.context)]
+    print("| rows | traffic | ops in the graph | build ms | launch ms | wait ms | step ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for rows in (int(x) for x in a.rows.split(",")):
+        for traffic in a.traffic.split(","):
+            r = anatomy(model, prompt, rows, traffic, a.steps)
+            print(f"| {rows} | {traffic} | {r['ops']} | {r['build_ms']} | {r['launch_ms']} | "
+                  f"{r['wait_ms']} | {r['step_ms']} |", flush=True)  # fmt: skip
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
