@@ -59,6 +59,28 @@ def test_streamed_tool_calls_arrive_as_tool_call_deltas(oai):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_a_cut_tool_call(oai, stream):
+    """Not template text in the content: a tool call as far as it came, finish_reason length."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = _ask(oai, tools=[WEATHER, TIME], tool_choice=named, max_tokens=16, seed=3, stream=stream)
+    if stream:
+        chunks = list(r)
+        finish = [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        names = [d.function.name for d in deltas if d.function and d.function.name]
+    else:
+        finish = [r.choices[0].finish_reason]
+        text = r.choices[0].message.content or ""
+        names = [c.function.name for c in r.choices[0].message.tool_calls or []]
+    assert finish == ["length"]
+    assert names == ["get_weather"]
+    assert "<tool_call>" not in text
+
+
 def test_a_tool_result_conversation_renders_and_answers(oai):
     first = _ask(oai, tools=[WEATHER], tool_choice="required", max_tokens=80, seed=4,
                  parallel_tool_calls=False)  # fmt: skip
@@ -108,3 +130,6 @@ def test_bad_tool_requests_are_400(tool_server, extra, words):
     r = httpx.post(f"{tool_server.base_url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert words in r.text
+    assert r.json()["error"]["param"], "a 400 about a field names it"
+    if "tool_choice" in extra:
+        assert r.json()["error"]["param"] == "tool_choice"

@@ -31,26 +31,34 @@ pytestmark = pytest.mark.anyio
 
 
 def _explode_at_third_token(monkeypatch) -> None:
-    """Fault injection into the real step: requests with presence_penalty 1.5 get a logits
-    processor that raises at their third token."""
-    from veloxquant_mlx.engine.loop import core
+    """Fault injection into the real step: a constrained request's grammar raises at its third
+    token."""
+    from veloxquant_mlx.engine.request.grammar import GrammarRow
 
-    real = core.make_processors
+    real = GrammarRow.advance
+    calls = {"n": 0}
 
-    def processors(params, *grammar):
-        if params.presence_penalty != 1.5:
-            return real(params, *grammar)
-        calls = {"n": 0}
+    def advance(self, token):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected grammar fault /secret/path.py")
+        return real(self, token)
 
-        def explode(tokens, logits):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("injected processor fault /secret/path.py")
-            return logits
+    monkeypatch.setattr(GrammarRow, "advance", advance)
 
-        return [explode]
 
-    monkeypatch.setattr(core, "make_processors", processors)
+# A schema whose answers are long enough to reach the third token.
+LONG_STRING = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "s",
+        "schema": {
+            "type": "object",
+            "properties": {"a": {"type": "string", "minLength": 20}},
+            "required": ["a"],
+        },
+    },
+}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -60,15 +68,22 @@ async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
     _explode_at_third_token(monkeypatch)
     client = await client_for(stream_interval_ms=0)
 
-    async def run(body):
-        return await client.post("/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    async def run(body, path="/v1/completions"):
+        return await client.post(path, json={"model": MODEL, **body}, timeout=60)
 
     good = [
         {"prompt": f"stream {i}", "max_tokens": 40, "temperature": 0, "stream": True}
         for i in range(3)
     ]
-    bad = {"prompt": "faulty", "max_tokens": 40, "presence_penalty": 1.5, "stream": stream}
-    results = await asyncio.gather(*(run(b) for b in [*good[:2], bad, good[2]]))
+    bad = {
+        "messages": [{"role": "user", "content": "faulty"}],
+        "max_tokens": 40,
+        "response_format": LONG_STRING,
+        "stream": stream,
+    }
+    results = await asyncio.gather(
+        run(good[0]), run(good[1]), run(bad, "/v1/chat/completions"), run(good[2])
+    )
     for r in (results[0], results[1], results[3]):
         events = sse_events(r.text)
         assert r.status_code == 200 and events[-1] == "[DONE]"
@@ -81,7 +96,7 @@ async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
         assert "secret" not in r.text and "RuntimeError" in r.text
     else:
         err = assert_error(r, 500, code="request_failed")
-        assert "logits processor" in err["message"] and "secret" not in err["message"]
+        assert "grammar" in err["message"] and "secret" not in err["message"]
     assert client.engine.alive  # type: ignore[attr-defined]
     again = await run({"prompt": "after", "max_tokens": 3})
     assert again.status_code == 200
@@ -90,10 +105,10 @@ async def test_one_requests_fault_fails_it_alone_next_to_running_streams(
 async def test_a_fault_before_the_first_token_is_a_500_even_when_streaming(client_for, monkeypatch):
     from veloxquant_mlx.engine.loop import core
 
-    def broken_sampler(params):
+    def broken_sampling(params, vocab_size):
         raise OverflowError("injected setup fault")
 
-    monkeypatch.setattr(core, "make_sampler", broken_sampler)
+    monkeypatch.setattr(core, "RowSampling", broken_sampling)
     client = await client_for()
     body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True, "temperature": 1}
     r = await client.post("/v1/completions", json=body)

@@ -83,3 +83,25 @@ def test_closed_schemas_add_additional_properties_false_only_where_silent():
     assert out["properties"]["items"]["items"]["additionalProperties"] is False
     assert out["properties"]["fixed"] == {"const": {"properties": {"z": 1}}}  # a value, untouched
     assert "additionalProperties" not in schema  # the input is not changed
+
+
+def test_a_call_cut_by_max_tokens_is_a_call_as_far_as_it_came():
+    for text, forced, name, arguments in [
+        ('{"name": "get_weathe', None, "get_weathe", ""),
+        ('{"name": "get_weathe', "get_weather", "get_weather", ""),
+        ('{"name": "get_weather", "arguments": {"city": "Pa', None, "get_weather", '{"city": "Pa'),
+    ]:
+        splitter = ToolCallSplitter(START, END, parse_tool_call, None, forced)
+        content, calls = splitter.feed("Sure. " + START + text)
+        rest, more = splitter.finish(truncated=True)
+        assert (content + rest, calls) == ("Sure. ", [])
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in more] == [
+            (name, arguments)
+        ]
+    # Not cut by max_tokens (a broken call), or no name to give: the text comes back as text.
+    broken = ToolCallSplitter(START, END, parse_tool_call, None)
+    broken.feed(START + '{"name": "f", "arguments": {')
+    assert broken.finish(truncated=False) == (START + '{"name": "f", "arguments": {', [])
+    nameless = ToolCallSplitter(START, END, parse_tool_call, None)
+    nameless.feed(START + '{"na')
+    assert nameless.finish(truncated=True) == (START + '{"na', [])

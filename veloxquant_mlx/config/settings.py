@@ -177,6 +177,11 @@ class Settings(BaseSettings):
         "vllm:cache_config_info, vllm:prefix_cache_*), for routers that know only those.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    access_log: bool = Field(
+        True,
+        description="One log line per HTTP request: method, path, status, milliseconds, request "
+        "id, prompt and completion tokens (--no-access-log: none).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     gil_switch_interval_ms: float | None = Field(
         None,

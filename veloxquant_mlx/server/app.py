@@ -22,6 +22,7 @@ from veloxquant_mlx.server import (
     routes_responses,
     routes_scale,
 )
+from veloxquant_mlx.server.access_log import AccessLog
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
@@ -159,4 +160,6 @@ def create_app(
     if settings.cors_origins:
         app.add_middleware(CORSExceptAdmin, origins=settings.cors_origins)
     app.add_middleware(RequestId)
+    if settings.access_log:  # outermost: it sees the request id and every status
+        app.add_middleware(AccessLog)
     return app

@@ -40,6 +40,34 @@ _TYPES = {
 }
 
 
+# Every error code the server answers with, and its statuses. docs/api.md's error table is
+# tested against this, and this against the codes the source uses (tests/server/test_docs.py).
+ERROR_CODES: dict[str, tuple[int, ...]] = {
+    "invalid_value": (400,),
+    "invalid_request": (400,),
+    "context_length_exceeded": (400,),
+    "unsupported_value": (400,),
+    "invalid_api_key": (401,),
+    "model_not_found": (404,),
+    "not_found": (404,),
+    "method_not_allowed": (405,),
+    "request_timeout": (408,),
+    "body_too_large": (413,),
+    "headers_too_large": (431,),
+    "queue_full": (429,),
+    "internal_error": (500,),
+    "request_failed": (500,),
+    "draining": (503,),
+    "capacity_reduced": (503,),
+    "engine_error": (503,),
+    "engine_dead": (503,),
+    "engine_stalled": (503,),
+    "not_ready": (503,),
+    "server_busy": (503,),
+    "too_many_connections": (503,),
+}
+
+
 class APIError(Exception):
     """An error to answer in OpenAI's shape with ``status``."""
 

@@ -127,7 +127,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             delta: dict[str, Any] = {}
             if not started[index]:
                 delta["role"] = "assistant"
-            text, calls = split(splitter, event.text, isinstance(event, FinishEvent))
+            final = isinstance(event, FinishEvent)
+            cut = final and event.finish_reason == "length"  # type: ignore[union-attr]
+            text, calls = split(splitter, event.text, final, cut)
             if text or (isinstance(event, TokenEvent) and splitter is None):
                 delta["content"] = text
             if calls:
@@ -153,7 +155,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     for index, (outcome, splitter) in enumerate(zip(outcomes, splitters, strict=True)):
         assert outcome.finish is not None
         message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
-        content, calls = split(splitter, outcome.text, final=True)
+        cut = outcome.finish.finish_reason == "length"
+        content, calls = split(splitter, outcome.text, final=True, truncated=cut)
         if splitter is not None:
             message["content"] = content or None
         if calls:

@@ -124,7 +124,8 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
         )
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
-    text, calls = split(splitter, outcome.text, final=True)
+    cut = outcome.finish.finish_reason == "length"
+    text, calls = split(splitter, outcome.text, final=True, truncated=cut)
     if text or not calls:
         built.output.append(built.message_item(text, "completed"))
     built.output += [built.call_item(c) for c in calls]
@@ -203,7 +204,9 @@ async def _events(
                     times.append(ev.time)
                 else:
                     finish = ev
-                text, calls = split(splitter, ev.text, isinstance(ev, FinishEvent))
+                final = isinstance(ev, FinishEvent)
+                cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
+                text, calls = split(splitter, ev.text, final, cut)
                 if text:
                     out += text_delta(text)
                 out += call_events(calls)

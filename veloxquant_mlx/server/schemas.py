@@ -206,16 +206,17 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
-        choice = self.tool_choice
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        # A field's validator (after ``tools``, declared before it): the 400 names the field.
+        tools = info.data.get("tools") or []
         if isinstance(choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or []}
-            if choice.function.name not in names:
+            if choice.function.name not in {t.function.name for t in tools}:
                 raise ValueError(f"tool_choice names '{choice.function.name}', not in tools")
-        elif choice == "required" and not self.tools:
+        elif choice == "required" and not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        return self
+        return choice
 
 
 class ShrinkRequest(BaseModel):

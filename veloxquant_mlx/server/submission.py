@@ -21,6 +21,7 @@ from veloxquant_mlx.engine.types import (
     SamplingParams,
     TokenEvent,
 )
+from veloxquant_mlx.server.access_log import note_handles
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.errors import APIError, from_engine
 from veloxquant_mlx.server.generation import (
@@ -164,6 +165,7 @@ def submit_all(
         for handle in handles:
             st.engine.cancel(handle)
         raise
+    note_handles(handles)
     return handles
 
 

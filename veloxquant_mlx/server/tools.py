@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,14 +126,17 @@ class ToolCallSplitter:
 
     Owns the text held back: a possible start of a tool-call tag, or a call not yet closed.
     ``feed`` returns the content that is certainly not part of a call and the calls that
-    completed; ``finish`` flushes. A call the parser cannot read (a weak model's broken JSON,
-    or one cut off by max_tokens) is given back as content, not dropped.
+    completed; ``finish`` flushes. A call cut off by max_tokens comes back as a call as far as
+    it came (its name, and its arguments' JSON text so far), as OpenAI returns one with
+    ``finish_reason: length``; a call the parser cannot read otherwise (a weak model's broken
+    JSON) is given back as content, not dropped.
     """
 
     start: str
     end: str
     parser: Any
     tools: list[dict[str, Any]] | None
+    forced: str | None = None  # the tool the request's tool_choice forces, if one
     _held: str = ""
     _in_call: bool = False
     n_calls: int = field(default=0)
@@ -164,13 +168,42 @@ class ToolCallSplitter:
                 calls.extend(parsed)
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The rest: held text, and a call still open (``truncated``: cut by max_tokens)."""
         held, self._held = self._held, ""
         if not self._in_call:
             return held, []
         self._in_call = False
         parsed = self._parse(held)  # unclosed: some formats omit the end tag
-        return ("", parsed) if parsed is not None else (self.start + held, [])
+        if parsed is not None:
+            return "", parsed
+        cut = self._cut_call(held) if truncated else None
+        return ("", [cut]) if cut is not None else (self.start + held, [])
+
+    def _cut_call(self, raw: str) -> dict[str, Any] | None:
+        """A JSON call (``{"name": ..., "arguments": ...}``) cut off: the forced tool's name, or
+        as much of the name as was written; the arguments' text so far. None without a name."""
+        written = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)', raw)
+        name = self.forced or (written.group(1) if written else None)
+        if not name:
+            return None
+        arguments = re.search(r'"arguments"\s*:\s*', raw)
+        return self._call(name, raw[arguments.end() :] if arguments else "")
+
+    def _call(self, name: str, arguments: Any) -> dict[str, Any]:
+        call = {
+            "index": self.n_calls,
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": arguments
+                if isinstance(arguments, str)
+                else json.dumps(arguments, ensure_ascii=False),
+            },
+        }
+        self.n_calls += 1
+        return call
 
     def _parse(self, raw: str) -> list[dict[str, Any]] | None:
         try:
@@ -178,26 +211,9 @@ class ToolCallSplitter:
         except Exception:  # a call the model got wrong is text, not a server error
             return None
         items = parsed if isinstance(parsed, list) else [parsed]
-        out = []
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
-            arguments = item.get("arguments", {})
-            out.append(
-                {
-                    "index": self.n_calls,
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {
-                        "name": item["name"],
-                        "arguments": arguments
-                        if isinstance(arguments, str)
-                        else json.dumps(arguments, ensure_ascii=False),
-                    },
-                }
-            )
-            self.n_calls += 1
-        return out
+        if not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
+            return None
+        return [self._call(i["name"], i.get("arguments", {})) for i in items]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -208,13 +224,16 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split(splitter: ToolCallSplitter | None, text: str, final: bool) -> tuple[str, list[Any]]:
-    """``text`` (and, when ``final``, whatever was held) as content and completed calls."""
+def split(
+    splitter: ToolCallSplitter | None, text: str, final: bool, truncated: bool = False
+) -> tuple[str, list[Any]]:
+    """``text`` (and, when ``final``, whatever was held) as content and completed calls;
+    ``truncated``: the output was cut by max_tokens (an open call is a call, cut)."""
     if splitter is None:
         return text, []
     content, calls = splitter.feed(text)
     if final:
-        rest, more = splitter.finish()
+        rest, more = splitter.finish(truncated)
         content, calls = content + rest, calls + more
     return content, calls
 
@@ -224,6 +243,11 @@ def splitter_for(body: ChatCompletionRequest, tokenizer: Any) -> ToolCallSplitte
     tools = template_tools(body, tokenizer)
     if tools is None:
         return None
+    choice, named = body.tool_choice, None
+    if isinstance(choice, NamedToolChoice):
+        named = choice.function.name
+    elif choice == "required" and body.tools and len(body.tools) == 1:
+        named = body.tools[0].function.name
     return ToolCallSplitter(
-        tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools
+        tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, tools, named
     )

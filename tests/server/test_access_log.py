@@ -1,0 +1,75 @@
+"""The access log: one line per request, with its status, id, timing and tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.server.conftest import ADMIN, MODEL, wait_idle
+from veloxquant_mlx.logs import _JSONFormatter
+
+pytestmark = pytest.mark.anyio
+
+
+def access_lines(caplog) -> list[dict]:
+    return [r.fields for r in caplog.records if r.name == "veloxquant.access"]
+
+
+async def test_every_request_gets_one_line_with_status_id_and_tokens(client_for, caplog):
+    caplog.set_level(logging.INFO, logger="veloxquant.access")
+    client = await client_for(api_key="sk-test-key-123")
+    auth = {"Authorization": "Bearer sk-test-key-123", "x-request-id": "client-7"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    ok = await client.post("/v1/chat/completions", json=body, headers=auth)
+    streamed = await client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x y", "max_tokens": 4, "stream": True, "n": 2},
+        headers={"Authorization": "Bearer sk-test-key-123"},
+    )
+    denied = await client.post("/v1/chat/completions", json=body)
+    missing = await client.get("/v1/nothing-here", headers=auth)
+    bad = await client.post("/v1/chat/completions", json={**body, "top_p": 7}, headers=auth)
+    assert [r.status_code for r in (ok, streamed, denied, missing, bad)] == [
+        200,
+        200,
+        401,
+        404,
+        400,
+    ]
+    lines = access_lines(caplog)
+    assert [(x["method"], x["path"], x["status"]) for x in lines] == [
+        ("POST", "/v1/chat/completions", 200),
+        ("POST", "/v1/completions", 200),
+        ("POST", "/v1/chat/completions", 401),
+        ("GET", "/v1/nothing-here", 404),
+        ("POST", "/v1/chat/completions", 400),
+    ]
+    usage = ok.json()["usage"]
+    assert lines[0]["request_id"] == "client-7" == ok.headers["x-request-id"]
+    assert (lines[0]["prompt_tokens"], lines[0]["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert lines[1]["request_id"] == streamed.headers["x-request-id"]
+    assert lines[1]["completion_tokens"] == 8  # both choices of the stream, counted at its end
+    assert all(x["ms"] >= 0 for x in lines)
+    assert lines[3]["prompt_tokens"] == lines[3]["completion_tokens"] == 0
+    await wait_idle(client.engine)  # type: ignore[attr-defined]
+
+
+async def test_no_access_log_logs_no_line(client_for, caplog):
+    caplog.set_level(logging.INFO, logger="veloxquant.access")
+    client = await client_for(access_log=False)
+    await client.get("/v1/models")
+    await client.get("/admin/pool", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert access_lines(caplog) == []
+
+
+def test_a_json_line_carries_the_fields_as_its_own_keys():
+    record = logging.LogRecord("veloxquant.access", logging.INFO, "", 0, "GET / 200", (), None)
+    record.fields = {"method": "GET", "status": 200, "request_id": "r1"}
+    line = json.loads(_JSONFormatter().format(record))
+    assert line["method"] == "GET" and line["status"] == 200 and line["request_id"] == "r1"
+    assert line["message"] == "GET / 200"

@@ -1,0 +1,76 @@
+"""The access log: one line per HTTP request (``--access-log``, on by default).
+
+``AccessLog`` is the outermost middleware: it sees every request that reached the app (401s,
+404s and 400s included; a request the edge refuses before HTTP parsing never does), its final
+status, the ``x-request-id`` the response carries, and the time until its last byte. The
+engine requests a route submits are noted in ``HANDLES`` (a context variable the middleware
+sets for the request), so the line carries their prompt and completion tokens once they end.
+Under ``--log-format json`` the fields are the line's own JSON keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextvars import ContextVar
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("veloxquant.access")
+
+# The engine requests of the HTTP request being served (None outside the access log).
+HANDLES: ContextVar[list[Any] | None] = ContextVar("vq_request_handles", default=None)
+
+
+def note_handles(handles: list[Any]) -> None:
+    """Count ``handles``' tokens in the current request's access line."""
+    noted = HANDLES.get()
+    if noted is not None:
+        noted.extend(handles)
+
+
+class AccessLog:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        seen: dict[str, Any] = {"status": 0, "id": ""}
+        handles: list[Any] = []
+        token = HANDLES.set(handles)
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                for key, value in message.get("headers", []):
+                    if key == b"x-request-id":
+                        seen["id"] = value.decode("ascii", "replace")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            HANDLES.reset(token)
+            self._line(scope, seen, handles, time.monotonic() - started)
+
+    @staticmethod
+    def _line(scope: Scope, seen: dict[str, Any], handles: list[Any], seconds: float) -> None:
+        finishes = [h.finish for h in handles if h.finish is not None]
+        fields = {
+            "method": scope.get("method", ""),
+            "path": scope.get("path", ""),
+            "status": seen["status"] or 499,  # no response started: the client went away
+            "ms": round(seconds * 1e3, 1),
+            "request_id": seen["id"],
+            "prompt_tokens": sum(f.usage.prompt_tokens for f in finishes),
+            "completion_tokens": sum(f.usage.completion_tokens for f in finishes),
+        }
+        log.info(
+            "%s %s %d %.1f ms id=%s prompt=%d completion=%d",
+            *fields.values(),
+            extra={"fields": fields},
+        )
