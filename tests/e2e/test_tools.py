@@ -81,6 +81,33 @@ def test_a_forced_call_cut_by_max_tokens_is_a_cut_tool_call(oai, stream):
     assert "<tool_call>" not in text
 
 
+def test_tools_with_a_response_format_may_call_a_tool_or_answer_in_the_schema(oai):
+    """tool_choice auto (unset) with a json_schema response_format, the OpenAI Agents SDK's and
+    the AI SDK's pattern: each answer is one valid tool call or the schema's JSON, and over a
+    few seeds both come (the tools are not locked out by the schema)."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 12}},
+        "required": ["answer"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    kinds = set()
+    for seed in range(8):
+        r = _ask(oai, tools=[WEATHER, TIME], response_format=fmt, max_tokens=120, seed=seed,
+                 temperature=1.0)  # fmt: skip
+        choice = r.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            call = choice.message.tool_calls[0].function
+            assert call.name in ("get_weather", "get_time")
+            json.loads(call.arguments)
+            kinds.add("call")
+        elif choice.finish_reason == "stop":
+            assert set(json.loads(choice.message.content)) == {"answer"}
+            kinds.add("answer")
+    assert kinds == {"call", "answer"}
+
+
 def test_a_tool_result_conversation_renders_and_answers(oai):
     first = _ask(oai, tools=[WEATHER], tool_choice="required", max_tokens=80, seed=4,
                  parallel_tool_calls=False)  # fmt: skip

@@ -31,6 +31,7 @@ from veloxquant_mlx.server.tools import (
     template_messages,
     template_tools,
     tool_grammar,
+    tool_or_answer_grammar,
 )
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
@@ -69,7 +70,11 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     max_tokens = body.max_completion_tokens or body.max_tokens
     timeout = st.settings.grammar_timeout
     # Walking the tools' schemas is plain CPU: off the event loop, when there are any.
-    tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer) if body.tools else None
+    tool_text = None
+    if body.tools:  # one tool call forced, or a call or the response format's JSON
+        tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer)
+        if tool_text is None:
+            tool_text = await asyncio.to_thread(tool_or_answer_grammar, body, tokenizer)
     grammar: Grammar | None
     if tool_text is not None:
         grammar = await compile_grammar(st.engine, tool_text, "tools", timeout)

@@ -84,8 +84,7 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     choice = body.tool_choice
     if not body.tools or not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
-    parser = getattr(tokenizer, "tool_parser", None)
-    if getattr(parser, "__module__", "") != "mlx_lm.tool_parsers.json_tools":
+    if not _json_calls(tokenizer):
         raise APIError(
             400,
             "tool_choice 'required' or a named function is supported for models whose tool "
@@ -96,8 +95,53 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     tools: list[Tool] = body.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
+    # Exactly one call, then end of sequence: a grammar that allowed more would leave the
+    # choice to stop to the model, and a weak one runs on into a cut-off second call.
+    return f"start: call\n{_call_rule(body, tools, tokenizer)}"
+
+
+def tool_or_answer_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
+    """With tools under ``tool_choice`` "auto" (or unset) and a JSON ``response_format``: a
+    grammar that allows one tool call or an answer in the response's JSON (OpenAI's choice for
+    the model: call a tool, or answer in the schema). None when that does not apply, or for a
+    tool-call format other than JSON in tags (then the response format alone holds).
+
+    Plain CPU over the schemas: call it off the event loop.
+    """
+    fmt = body.response_format
+    if not body.tools or body.tool_choice not in (None, "auto") or fmt is None:
+        return None
+    if fmt.type == "text" or not _json_calls(tokenizer):
+        return None
+    if fmt.type == "json_object":
+        schema: Any = {"type": "object"}
+    else:
+        assert fmt.json_schema is not None
+        schema = fmt.json_schema.schema_
+        check_schema(schema, "response_format.json_schema.schema")
+        if not isinstance(schema, dict):
+            raise APIError(
+                400,
+                "a JSON schema must be an object",
+                code="invalid_value",
+                param="response_format.json_schema.schema",
+            )
+    answer = {**closed(schema), "x-guidance": COMPACT}
+    return (
+        f"start: call | answer\n{_call_rule(body, body.tools, tokenizer)}"
+        f"answer: %json {json.dumps(answer)}\n"
+    )
+
+
+def _json_calls(tokenizer: Any) -> bool:
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools"
+
+
+def _call_rule(body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any) -> str:
+    """The grammar rules ``call`` (one call of one of ``tools``, in its tags) and ``args``."""
     chosen = {id(t) for t in tools}
-    for i, t in enumerate(body.tools):
+    for i, t in enumerate(body.tools or []):
         if id(t) in chosen and t.function.parameters is not None:
             check_schema(t.function.parameters, f"tools.{i}.function.parameters")
     calls = [
@@ -114,10 +158,8 @@ def tool_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
     ]
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": COMPACT}
-    # Exactly one call, then end of sequence: a grammar that allowed more would leave the
-    # choice to stop to the model, and a weak one runs on into a cut-off second call.
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-    return f"start: {json.dumps(start)} call {json.dumps(end)}\ncall: %json {json.dumps(schema)}\n"
+    return f"call: {json.dumps(start)} args {json.dumps(end)}\nargs: %json {json.dumps(schema)}\n"
 
 
 @dataclass(slots=True)
