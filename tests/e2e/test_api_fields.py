@@ -87,7 +87,7 @@ def test_context_overflow_is_worded_as_openai_does(oai):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=MODEL, prompt="hello", max_tokens=100_000)
     assert info.value.code == "context_length_exceeded"
-    assert "This model's maximum context length is 2048 tokens. However, you requested" in str(
+    assert "This model's maximum context length is 8192 tokens. However, you requested" in str(
         info.value
     )
 

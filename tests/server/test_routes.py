@@ -195,16 +195,16 @@ async def test_empty_prompt_and_over_context_are_400(client):
     assert_openai_error(
         await client.post("/v1/completions", json={**COMPLETION, "prompt": ""}), 400
     )
-    r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 5000})
+    r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 9000})
     assert_openai_error(r, 400, "context_length_exceeded")
     r = await client.post("/v1/completions", json={**COMPLETION, "prompt": [99999]})
     assert_openai_error(r, 400)
 
 
 async def test_a_prompt_over_the_context_is_refused_without_a_misleading_warning(client, caplog):
-    r = await client.post("/v1/completions", json={**COMPLETION, "prompt": "hello " * 3000})
+    r = await client.post("/v1/completions", json={**COMPLETION, "prompt": "hello " * 9000})
     error = assert_openai_error(r, 400, "context_length_exceeded")
-    assert "maximum context length is 2048 tokens" in error["message"]
+    assert "maximum context length is 8192 tokens" in error["message"]
     assert "indexing errors" not in caplog.text  # transformers' own length warning
 
 

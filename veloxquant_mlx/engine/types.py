@@ -186,6 +186,7 @@ class FinishEvent:
     error: str | None = None
     error_code: str | None = None
     refusal: Refusal | None = None  # refused before it ran (an engine in its own process)
+    stop_string: str | None = None  # the request's stop string that ended it, if one did
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

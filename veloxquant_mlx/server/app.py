@@ -17,6 +17,7 @@ from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.server import (
     errors,
     routes_chat,
+    routes_messages,
     routes_openai,
     routes_ops,
     routes_responses,
@@ -150,6 +151,7 @@ def create_app(
     app.include_router(routes_openai.router)
     app.include_router(routes_chat.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_messages.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_scale.router)
     app.include_router(routes_ops.admin)

@@ -96,12 +96,22 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     }
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(err.status, err.message, err.code, err.param),
-        status_code=err.status,
-        headers=err.headers,
-    )
+# Paths whose clients expect Anthropic's error shape (the Messages API).
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def speaks_anthropic(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """``err`` in OpenAI's shape, or Anthropic's on the Messages API's paths."""
+    body = error_body(err.status, err.message, err.code, err.param)
+    if speaks_anthropic(path):
+        from veloxquant_mlx.server.messages_api import anthropic_error
+
+        body = anthropic_error(err.status, err.message)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def from_engine(exc: Exception) -> APIError:
@@ -182,16 +192,17 @@ def install(app: FastAPI) -> None:
     """Map every failure to OpenAI's error shape: 400 for validation (never 422)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation(list(exc.errors()))
-        return error_response(APIError(400, message, code="invalid_value", param=param))
+        err = APIError(400, message, code="invalid_value", param=param)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status, code = exc.status_code, None
         if status == 404:
             message, code = "no such endpoint", "not_found"
@@ -200,7 +211,8 @@ def install(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
             code = "invalid_request" if status == 400 else None
-        return error_response(APIError(status, message, code=code, headers=dict(exc.headers or {})))
+        err = APIError(status, message, code=code, headers=dict(exc.headers or {}))
+        return error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
@@ -210,5 +222,6 @@ def install(app: FastAPI) -> None:
             APIError(
                 500, "internal server error", code="internal_error",
                 headers={"Connection": "close"},
-            )
+            ),
+            request.url.path,
         )  # fmt: skip

@@ -13,7 +13,8 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from veloxquant_mlx.server.errors import error_body
+from veloxquant_mlx.server.errors import error_body, speaks_anthropic
+from veloxquant_mlx.server.messages_api import anthropic_error
 
 
 async def send_error(
@@ -22,9 +23,13 @@ async def send_error(
     message: str,
     code: str | None,
     headers: list[tuple[bytes, bytes]] | None = None,
+    path: str = "",
 ) -> None:
-    """A complete JSON error response in OpenAI's shape."""
-    body = json.dumps(error_body(status, message, code)).encode()
+    """A complete JSON error response in OpenAI's shape (Anthropic's on its API's ``path``)."""
+    shaped = error_body(status, message, code)
+    if speaks_anthropic(path):
+        shaped = anthropic_error(status, message)
+    body = json.dumps(shaped).encode()
     await send(
         {
             "type": "http.response.start",
@@ -92,23 +97,24 @@ class AuthGate:
                     await send_error(
                         send,
                         401,
-                        f"missing or wrong {what} key (send 'Authorization: Bearer <key>')",
+                        f"missing or wrong {what} key (send 'Authorization: Bearer <key>' or "
+                        "'x-api-key: <key>')",
                         "invalid_api_key",
                         [(b"www-authenticate", b"Bearer")],
+                        path,
                     )
                     return
         await self.app(scope, receive, send)
 
     @staticmethod
     def _valid(scope: Scope, key: str) -> bool:
+        """``Authorization: Bearer KEY``, or Anthropic's clients' ``x-api-key: KEY``."""
         header = (_header(scope, b"authorization") or b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
-        token = token.strip()
-        return (
-            scheme.lower() == "bearer"
-            and bool(token)
-            and secrets.compare_digest(token.encode("latin-1"), key.encode())
-        )
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not token:
+            token = (_header(scope, b"x-api-key") or b"").decode("latin-1").strip()
+        return bool(token) and secrets.compare_digest(token.encode("latin-1"), key.encode())
 
 
 class BodyGuard:

@@ -174,7 +174,7 @@ class ResponseFormat(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_.-]{1,128}$")]
     description: Text | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     strict: StrictBool | None = None

@@ -355,6 +355,7 @@ class EngineCore:
                 error,
                 code,
                 seq.pages.n_cached,
+                None if run is None else run.stops.matched,
             )
 
     # ------------------------------------------------------------------ commands

@@ -97,6 +97,7 @@ def push_finish(
     error: str | None = None,
     code: str | None = None,
     cached_tokens: int = 0,
+    stop_string: str | None = None,
 ) -> None:
     """Count a request's end and push its one ``FinishEvent`` (usage included)."""
     usage = Usage(
@@ -110,4 +111,6 @@ def push_finish(
         inbox.counters.finished[reason] += 1
         if code is not None:
             inbox.counters.failed[code] += 1
-    handle._push(FinishEvent(reason, usage, time.monotonic(), tail, error, code))
+    handle._push(
+        FinishEvent(reason, usage, time.monotonic(), tail, error, code, stop_string=stop_string)
+    )

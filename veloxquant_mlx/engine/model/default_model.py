@@ -18,7 +18,7 @@ from veloxquant_mlx.config.paths import default_cache_dir
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Bump when the architecture or the recipe changes: a new directory is made beside the old one.
-VERSION = "v2"
+VERSION = "v3"
 SEED = 20261129
 CONFIG = {
     "model_type": "llama",
@@ -31,7 +31,8 @@ CONFIG = {
     "head_dim": 32,
     "rms_norm_eps": 1e-5,
     "vocab_size": 2048,
-    "max_position_embeddings": 2048,
+    # room for what agent frameworks send (a tools prompt, a Claude Code request's system)
+    "max_position_embeddings": 8192,
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
     "bos_token_id": 1,

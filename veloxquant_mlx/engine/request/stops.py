@@ -11,21 +11,23 @@ class StopMatcher:
     held back when generation ends for another reason.
     """
 
-    __slots__ = ("_held", "_max", "_stops")
+    __slots__ = ("_held", "_max", "_stops", "matched")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = stops
         self._max = max((len(s) for s in stops), default=0)
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def feed(self, delta: str) -> tuple[str, bool]:
         if not self._stops:
             return delta, False
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := text.find(s)) >= 0]
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return text[:at], True
         keep = self._longest_stop_prefix_suffix(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

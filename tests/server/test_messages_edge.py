@@ -1,0 +1,35 @@
+"""The Messages API at the edge: x-api-key as the API key, and Anthropic's error shape on its
+paths (OpenAI's everywhere else)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MODEL, wait_idle
+
+pytestmark = pytest.mark.anyio
+
+BODY = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_x_api_key_is_the_api_key_and_errors_take_anthropics_shape(client_for):
+    client = await client_for(api_key="sk-messages-1")
+    ok = await client.post("/v1/messages", json=BODY, headers={"x-api-key": "sk-messages-1"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["type"] == "message" and ok.json()["usage"]["output_tokens"] > 0
+    for headers in ({}, {"x-api-key": "wrong-key-1"}):
+        denied = await client.post("/v1/messages", json=BODY, headers=headers)
+        assert denied.status_code == 401
+        assert denied.json() == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": denied.json()["error"]["message"]},
+        }
+    # The same key works for the OpenAI paths; their errors keep OpenAI's shape.
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = await client.post("/v1/chat/completions", json=chat, headers={"x-api-key": "sk-messages-1"})
+    assert r.status_code == 200
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    missing = await client.get("/v1/messages/nothing", headers={"x-api-key": "sk-messages-1"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    await wait_idle(client.engine)  # type: ignore[attr-defined]
