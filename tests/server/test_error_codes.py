@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from veloxquant_mlx.server.errors import ERROR_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +32,7 @@ def used_in_source() -> set[str]:
     for path in (ROOT / "veloxquant_mlx" / "server").glob("*.py"):
         text = path.read_text()
         codes.update(re.findall(r'\bcode="([a-z_]+)"', text))
-        codes.update(re.findall(r'message, code = "[^"]*", "([a-z_]+)"', text))
+        codes.update(re.findall(r'message, code = [^\n]*, "([a-z_]+)"\n', text))
         for call in re.finditer(r"\b(?:error_body|send_error|_reject)\(", text):
             codes.update(re.findall(r'"([a-z]+(?:_[a-z]+)+)"', arguments(text, call.end())))
     return codes
@@ -65,3 +67,16 @@ def test_every_code_the_source_answers_with_is_registered():
     used = used_in_source()
     assert {"invalid_value", "not_found", "too_many_connections", "invalid_api_key"} <= used
     assert used <= set(ERROR_CODES), used - set(ERROR_CODES)
+
+
+@pytest.mark.anyio
+async def test_ollama_paths_and_embeddings_say_what_to_use_instead(client):
+    for method, path, words in (
+        ("POST", "/api/chat", "Ollama's API is not served"),
+        ("GET", "/api/tags", "Ollama's API is not served"),
+        ("POST", "/v1/embeddings", "embeddings are not served"),
+        ("GET", "/v1/nothing", "no such endpoint"),
+    ):
+        r = await client.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 404, (path, r.text)
+        assert words in r.json()["error"]["message"] and r.json()["error"]["code"] == "not_found"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from veloxquant_mlx.config.launch import launched_rank
@@ -32,6 +32,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port).")
     model: str | None = Field(
         None, description="Local mlx_lm model directory; the embedded tiny model when unset."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template to use instead of the model's: a file's path, or "
+        "the template itself (as vLLM and mlx_lm.server take it). Its tool-call format is "
+        "recognised as a model's own is.",
     )
     served_model_name: str | None = Field(
         None, description="Model id in the API (default: the model directory's name)."
@@ -238,6 +244,19 @@ class Settings(BaseSettings):
         description="Reverse-proxy addresses whose connections are not counted per client "
         "(all their clients arrive from them), e.g. '[\"10.0.0.5\"]'.",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """A path is read here: the engine and the server get the template's text."""
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if len(value) < 4096 and "\n" not in value and path.is_file():
+            return path.read_text(encoding="utf-8")
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError("not a readable file, and not a Jinja template ({{ ... }} / {% ... %})")
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -67,6 +67,8 @@ class EngineConfig:
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).
     min_request_tokens: int = 2
+    # A Jinja chat template (its text) to use instead of the model's (--chat-template).
+    chat_template: str | None = None
     # Join the mx.distributed group this process was launched into (engine/loop/group.py): rank 0
     # serves, every rank runs the same steps on its shard. ``pipeline``: split the layers
     # (model.model.pipeline) instead of the tensors (model.shard).

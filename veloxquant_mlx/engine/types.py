@@ -337,3 +337,4 @@ class EngineInfo:
     blas: str
     device: str
     group: GroupInfo = field(default_factory=GroupInfo)
+    chat_template: str | None = None  # --chat-template's text: the host's tokenizer uses it too

@@ -62,6 +62,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         distributed=launched_rank() is not None,
         pipeline=settings.pipeline,
         group_timeout=settings.group_timeout,
+        chat_template=settings.chat_template,
     )
 
 

@@ -188,6 +188,18 @@ def describe_validation(errors: list[Any]) -> tuple[str, str | None]:
     return (f"{param}: {text}" if param else text), param
 
 
+def _not_served(path: str) -> str:
+    """What a 404 says: for the APIs clients commonly try here, which ones to use instead."""
+    if path == "/api" or path.startswith("/api/"):
+        return (
+            "Ollama's API is not served here; use the OpenAI API (/v1/chat/completions) or "
+            "the Anthropic API (/v1/messages)"
+        )
+    if path.rstrip("/") == "/v1/embeddings":
+        return "embeddings are not served here: this server generates text"
+    return "no such endpoint"
+
+
 def install(app: FastAPI) -> None:
     """Map every failure to OpenAI's error shape: 400 for validation (never 422)."""
 
@@ -205,7 +217,7 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status, code = exc.status_code, None
         if status == 404:
-            message, code = "no such endpoint", "not_found"
+            message, code = _not_served(request.url.path), "not_found"
         elif status == 405:
             message, code = "method not allowed on this endpoint", "method_not_allowed"
         else:

@@ -58,7 +58,10 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     try:
         tokens = list(
             tokenizer.apply_chat_template(
-                template_messages(body), tools=tools, add_generation_prompt=True
+                template_messages(body),
+                tools=tools,
+                add_generation_prompt=True,
+                **(body.chat_template_kwargs or {}),
             )
         )
     except APIError:

@@ -196,6 +196,13 @@ class NamedToolChoice(BaseModel):
     function: Name
 
 
+# What the server passes to the chat template itself: not a client's to override.
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+     "return_dict", "chat_template", "continue_final_message"}
+)  # fmt: skip
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
@@ -205,6 +212,16 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    # Extra variables for the chat template (vLLM's and SGLang's name), e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & TEMPLATE_RESERVED)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here (the server sets it)")
+        return kwargs
 
     @field_validator("tool_choice")
     @classmethod

@@ -114,7 +114,7 @@ class HostBase:
                 parts.grammars,
             )
         else:
-            tokenizer = load_tokenizer(Path(info.model_path))
+            tokenizer = load_tokenizer(Path(info.model_path), info.chat_template)
             self.token_bytes = token_bytes_table(tokenizer)
             ll_tokenizer = grammar_tokenizer(tokenizer, info.vocab_size)
             self.grammars = None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer)

@@ -179,6 +179,7 @@ class Engine(HostBase):
             blas=rt.blas,
             device=rt.device,
             group=GroupInfo() if rt.group is None else rt.group.info,
+            chat_template=self.config.chat_template,
         )
         if warm_up_wanted(self.config.warm_up) and rt.group is None:
             started = time.monotonic()

@@ -19,7 +19,7 @@ from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
-from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, unbounded
+from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
 from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.pool import BlockPoolAllocator
@@ -73,7 +73,11 @@ def model_path(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
 
 
 def load(
-    model: str | None, cache_dir: str | None, dtype: str, group: Group | None = None
+    model: str | None,
+    cache_dir: str | None,
+    dtype: str,
+    group: Group | None = None,
+    chat_template: str | None = None,
 ) -> tuple[Any, Any, str, Path]:
     """(model, tokenizer, name, directory) for a local path, or the embedded default model if
     None; with a ``group``, this rank's shard of it (``load_shard``).
@@ -89,10 +93,10 @@ def load(
 
     path, name = model_path(model, cache_dir)
     if group is None:
-        loaded = mlx_lm.load(str(path))
+        loaded = mlx_lm.load(str(path), tokenizer_config=template_config(chat_template))
         net, tokenizer = loaded[0], unbounded(loaded[1])
     else:
-        net, tokenizer = load_shard(path, group)
+        net, tokenizer = load_shard(path, group, chat_template)
     target = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
     if dtype == "auto" and mx.default_device() == mx.cpu:
         target = mx.float32
@@ -102,7 +106,7 @@ def load(
     return net, tokenizer, name, path
 
 
-def load_shard(path: Path, group: Group) -> tuple[Any, Any]:
+def load_shard(path: Path, group: Group, chat_template: str | None = None) -> tuple[Any, Any]:
     """This rank's shard of the model at ``path``, as ``mlx_lm.utils.sharded_load`` makes it
     (tensor parallel: ``model.shard``; pipeline: ``model.model.pipeline``), from a local
     directory: weights load lazily, so a pipeline stage reads only its own layers.
@@ -129,7 +133,7 @@ def load_shard(path: Path, group: Group) -> tuple[Any, Any]:
         net.shard(group.group)
     mx.eval(net.parameters())
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group.group))  # every rank loaded
-    return net, load_tokenizer(path)
+    return net, load_tokenizer(path, chat_template)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +241,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     group = init_group(cfg.pipeline, cfg.group_timeout) if cfg.distributed else None
     if group is not None and cfg.grow_on_exhaustion:
         raise ValueError("--grow-on-exhaustion is not supported across ranks")
-    model, tokenizer, name, path = load(cfg.model, cfg.model_cache_dir, cfg.dtype, group)
+    model, tokenizer, name, path = load(
+        cfg.model, cfg.model_cache_dir, cfg.dtype, group, cfg.chat_template
+    )
     check_supported(model)
     geometry = probe_geometry(model)
     sizing = pool_config(

@@ -8,14 +8,27 @@ from pathlib import Path
 from typing import Any
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path, chat_template: str | None = None) -> Any:
     """The model's tokenizer alone, as ``mlx_lm.load`` makes it (no weights, no MLX arrays):
-    what the server process needs when the engine runs in a process of its own."""
+    what the server process needs when the engine runs in a process of its own.
+    ``chat_template``: a Jinja template to use instead of the model's."""
     from mlx_lm.utils import load_config
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     config = load_config(path)
-    return unbounded(mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None)))
+    return unbounded(
+        mlx_lm_load_tokenizer(
+            path,
+            tokenizer_config_extra=template_config(chat_template),
+            eos_token_ids=config.get("eos_token_id", None),
+        )
+    )
+
+
+def template_config(chat_template: str | None) -> dict[str, Any]:
+    """The tokenizer options that put ``chat_template`` in place of the model's (mlx_lm then
+    infers the tool-call format from it, as from a model's own)."""
+    return {} if chat_template is None else {"chat_template": chat_template}
 
 
 def unbounded(tokenizer: Any) -> Any:
