@@ -183,6 +183,11 @@ class Settings(BaseSettings):
         "vllm:cache_config_info, vllm:prefix_cache_*), for routers that know only those.",
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    reasoning: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: a thinking model's reasoning comes back apart from its answer "
+        "(reasoning_content, a reasoning item, a thinking block); off: left in the answer.",
+    )
     access_log: bool = Field(
         True,
         description="One log line per HTTP request: method, path, status, milliseconds, request "

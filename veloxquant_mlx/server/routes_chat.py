@@ -15,6 +15,12 @@ from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
+from veloxquant_mlx.server.reasoning import (
+    ReasoningSplitter,
+    think_tags,
+    think_then_split,
+)
+from veloxquant_mlx.server.reasoning import splitter_for as reasoning_splitter
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.structured import compile_grammar, grammar_for
 from veloxquant_mlx.server.submission import (
@@ -26,7 +32,6 @@ from veloxquant_mlx.server.submission import (
 )
 from veloxquant_mlx.server.tools import (
     ToolCallSplitter,
-    split,
     splitter_for,
     template_messages,
     template_tools,
@@ -47,6 +52,7 @@ class PreparedChat:
 
     handles: list[RequestHandle]
     splitters: list[ToolCallSplitter | None]
+    reasoners: list[ReasoningSplitter | None]  # the reasoning apart, for a model that thinks
 
 
 async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedChat:
@@ -87,7 +93,14 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         st, [tokens], body.n, max_tokens, body,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,
     )  # fmt: skip
-    return PreparedChat(handles, [splitter_for(body, tokenizer) for _ in handles])
+    # A grammar holds from the first token: a constrained answer has no think block to split.
+    enabled = st.settings.reasoning != "off" and grammar is None
+    tail = tokenizer.decode(tokens[-16:]) if enabled and think_tags(tokenizer) else ""
+    return PreparedChat(
+        handles,
+        [splitter_for(body, tokenizer) for _ in handles],
+        [reasoning_splitter(tokenizer, tail, enabled) for _ in handles],
+    )
 
 
 @router.post("/chat/completions", response_model=None)
@@ -95,7 +108,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     st = state(request)
     arrived = time.monotonic()
     prepared = await prepare_chat(st, body)
-    handles, splitters = prepared.handles, prepared.splitters
+    handles, splitters, reasoners = prepared.handles, prepared.splitters, prepared.reasoners
     rid, created = new_id("chatcmpl"), int(time.time())
 
     def entry(token: int, lp: float | None) -> dict[str, Any]:
@@ -137,14 +150,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 delta["role"] = "assistant"
             final = isinstance(event, FinishEvent)
             cut = final and event.finish_reason == "length"  # type: ignore[union-attr]
-            text, calls = split(splitter, event.text, final, cut)
-            if text or (isinstance(event, TokenEvent) and splitter is None):
+            reasoner = reasoners[index]
+            thought, text, calls = think_then_split(reasoner, splitter, event.text, final, cut)
+            if thought:
+                delta["reasoning_content"] = thought
+            plain = splitter is None and reasoner is None
+            if text or (isinstance(event, TokenEvent) and plain):
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
             if isinstance(event, TokenEvent):
                 if not delta and event.logprob is None:
-                    return None  # held back: part of a tool call
+                    return None  # held back: part of a tool call or a tag
                 started[index] = True
                 return {**base, "choices": [
                     {"index": index, "delta": delta, "logprobs": logprobs_json([event]),
@@ -164,9 +181,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         assert outcome.finish is not None
         message: dict[str, Any] = {"role": "assistant", "content": outcome.text}
         cut = outcome.finish.finish_reason == "length"
-        content, calls = split(splitter, outcome.text, final=True, truncated=cut)
-        if splitter is not None:
+        reasoner = reasoners[index]
+        thought, content, calls = think_then_split(reasoner, splitter, outcome.text, True, cut)
+        if splitter is not None or reasoner is not None:
             message["content"] = content or None
+        if reasoner is not None:
+            message["reasoning_content"] = thought or None
         if calls:
             message["tool_calls"] = [
                 {key: v for key, v in c.items() if key != "index"} for c in calls

@@ -26,11 +26,12 @@ from veloxquant_mlx.server.messages_api import (
     to_chat,
     tool_use,
 )
+from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.submission import check_model
-from veloxquant_mlx.server.tools import ToolCallSplitter, split, template_messages, template_tools
+from veloxquant_mlx.server.tools import ToolCallSplitter, template_messages, template_tools
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -59,12 +60,13 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     arrived = time.monotonic()
     prepared = await prepare_chat(st, _chat(req))
     handle, splitter = prepared.handles[0], prepared.splitters[0]
+    reasoner = prepared.reasoners[0]
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
         first = await first_batch(request, st.engine, handle)
         n_prompt = len(handle.request.prompt_tokens)
         return DeadlineStreamingResponse(
-            _events(req, message_id, n_prompt, splitter, first),
+            _events(req, message_id, n_prompt, splitter, reasoner, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             write_timeout=st.settings.stream_write_timeout,
@@ -75,13 +77,14 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     if finish.finish_reason not in RESULTS:
         raise from_finish(finish)
     cut = finish.finish_reason == "length"
-    text, calls = split(splitter, outcome.text, final=True, truncated=cut)
+    thought, text, calls = think_then_split(reasoner, splitter, outcome.text, True, cut)
+    thinking = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": req.model,
-        "content": content_blocks(text, calls),
+        "content": thinking + content_blocks(text, calls),
         "stop_reason": stop_reason(finish.finish_reason, finish.stop_string, len(calls)),
         "stop_sequence": finish.stop_string,
         "usage": _usage(finish),
@@ -93,6 +96,7 @@ async def _events(
     message_id: str,
     n_prompt: int,
     splitter: ToolCallSplitter | None,
+    reasoner: ReasoningSplitter | None,
     first: Any,
 ) -> AsyncIterator[bytes]:
     """message_start, ping, content blocks (text_delta / input_json_delta), message_delta,
@@ -108,7 +112,7 @@ async def _events(
         "usage": {"input_tokens": n_prompt, "output_tokens": 0},
     }  # fmt: skip
     yield event("message_start", message=start) + event("ping")
-    index, text_open, n_calls = 0, False, 0
+    index, text_open, thinking_open, n_calls = 0, False, False, 0
     finish: FinishEvent | None = None
     async for batch in chain(*first):
         out: list[bytes] = []
@@ -117,7 +121,17 @@ async def _events(
             if final:
                 finish = ev  # type: ignore[assignment]
             cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
-            text, calls = split(splitter, ev.text, final, cut)
+            thought, text, calls = think_then_split(reasoner, splitter, ev.text, final, cut)
+            if thought:
+                if not thinking_open:
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    out.append(event("content_block_start", index=index, content_block=block))
+                    thinking_open = True
+                thinking_delta = {"type": "thinking_delta", "thinking": thought}
+                out.append(event("content_block_delta", index=index, delta=thinking_delta))
+            if thinking_open and (text or calls or final):
+                out.append(event("content_block_stop", index=index))
+                index, thinking_open = index + 1, False
             if text:
                 if not text_open:
                     empty = {"type": "text", "text": ""}
@@ -129,11 +143,11 @@ async def _events(
                 if text_open:
                     out.append(event("content_block_stop", index=index))
                     index, text_open = index + 1, False
-                block: dict[str, Any] = {**tool_use(call), "input": {}}
+                use: dict[str, Any] = {**tool_use(call), "input": {}}
                 json_delta = {"type": "input_json_delta",
                               "partial_json": call["function"]["arguments"]}  # fmt: skip
                 out += [
-                    event("content_block_start", index=index, content_block=block),
+                    event("content_block_start", index=index, content_block=use),
                     event("content_block_delta", index=index, delta=json_delta),
                     event("content_block_stop", index=index),
                 ]

@@ -17,10 +17,11 @@ from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_finish
 from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
+from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
-from veloxquant_mlx.server.tools import ToolCallSplitter, split
+from veloxquant_mlx.server.tools import ToolCallSplitter
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -52,6 +53,15 @@ class Built:
             "status": status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": _id("rs"),
+            "status": status,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
         }
 
     def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -114,10 +124,11 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
         raise
     built = Built(req, st.model_name)
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
+    reasoner = prepared.reasoners[0]
     if req.stream:
         first = await first_batch(request, st.engine, handle)
         return DeadlineStreamingResponse(
-            _events(st, built, handle, splitter, first, arrived),
+            _events(st, built, handle, splitter, reasoner, first, arrived),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             write_timeout=st.settings.stream_write_timeout,
@@ -125,7 +136,9 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     outcome = await collect(request, st.engine, handle, st.metrics, arrived)
     assert outcome.finish is not None
     cut = outcome.finish.finish_reason == "length"
-    text, calls = split(splitter, outcome.text, final=True, truncated=cut)
+    thought, text, calls = think_then_split(reasoner, splitter, outcome.text, True, cut)
+    if thought:
+        built.output.append(built.reasoning_item(thought))
     if text or not calls:
         built.output.append(built.message_item(text, "completed"))
     built.output += [built.call_item(c) for c in calls]
@@ -137,6 +150,7 @@ async def _events(
     built: Built,
     handle: RequestHandle,
     splitter: ToolCallSplitter | None,
+    reasoner: ReasoningSplitter | None,
     first: Any,
     arrived: float,
 ) -> AsyncIterator[bytes]:
@@ -179,6 +193,36 @@ async def _events(
                              delta=text, logprobs=[]))  # fmt: skip
             return out
 
+        thinking: dict[str, Any] | None = None  # the reasoning item while it is open
+        thoughts: list[str] = []
+
+        def reasoning_delta(text: str) -> list[bytes]:
+            nonlocal thinking
+            out = []
+            if thinking is None:
+                thinking = built.reasoning_item("", "in_progress")
+                built.output.append(thinking)
+                out.append(event("response.output_item.added",
+                                 output_index=len(built.output) - 1, item=thinking))  # fmt: skip
+            thoughts.append(text)
+            out.append(event("response.reasoning_text.delta", item_id=thinking["id"],
+                             output_index=built.output.index(thinking), content_index=0,
+                             delta=text))  # fmt: skip
+            return out
+
+        def close_reasoning() -> list[bytes]:
+            nonlocal thinking
+            assert thinking is not None
+            full, index = "".join(thoughts), built.output.index(thinking)
+            thinking.update(status="completed", content=[{"type": "reasoning_text", "text": full}])
+            done = [
+                event("response.reasoning_text.done", item_id=thinking["id"], output_index=index,
+                      content_index=0, text=full),
+                event("response.output_item.done", output_index=index, item=thinking),
+            ]  # fmt: skip
+            thinking = None
+            return done
+
         def call_events(calls: list[dict[str, Any]]) -> list[bytes]:
             out = []
             for call in calls:
@@ -206,7 +250,11 @@ async def _events(
                     finish = ev
                 final = isinstance(ev, FinishEvent)
                 cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
-                text, calls = split(splitter, ev.text, final, cut)
+                thought, text, calls = think_then_split(reasoner, splitter, ev.text, final, cut)
+                if thought:
+                    out += reasoning_delta(thought)
+                if thinking is not None and (text or calls or final):
+                    out += close_reasoning()
                 if text:
                     out += text_delta(text)
                 out += call_events(calls)
