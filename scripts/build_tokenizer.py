@@ -19,9 +19,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 VOCAB_SIZE = 2048
 OUT = Path(__file__).resolve().parent.parent / "veloxquant_mlx" / "engine" / "model" / "assets"
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Roles in tags, a system prompt like any message, and tools in the Hermes/Qwen format (JSON in
+# <tool_call> tags, which mlx_lm's json_tools parser reads and forced calls constrain).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{{ bos_token }}{% if tools %}<|system|>\nTools (call one as <tool_call>"
+    '{"name": ..., "arguments": {...}}</tool_call>):\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -131,13 +131,13 @@ def test_tool_choice_none_keeps_tools_out_of_the_prompt(oai):
     assert auto.usage.prompt_tokens > without.usage.prompt_tokens  # rendered into the template
 
 
-def test_a_model_without_tool_support_says_so(server):
+def test_the_embedded_model_calls_tools_and_one_without_a_tool_format_says_so(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER]
-        )
-    assert info.value.body["param"] == "tools" and "tool calling" in info.value.body["message"]
+    forced = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER],
+        tool_choice="required", max_tokens=80, temperature=0,
+    )  # fmt: skip
+    assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 @pytest.mark.parametrize(

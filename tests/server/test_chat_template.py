@@ -11,14 +11,21 @@ from veloxquant_mlx.config import Settings
 
 pytestmark = pytest.mark.anyio
 
+# A template without a tool-call format (the embedded model's own has one).
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 ASK = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 60}
 FORCED = {**ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 0}
 
 
 async def test_a_template_with_a_tool_format_gives_the_model_tools(client_for, tmp_path):
-    plain = await client_for()
+    plain = await client_for(chat_template=PLAIN_TEMPLATE)
     r = await plain.post("/v1/chat/completions", json=FORCED)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "tool calling" in r.json()["error"]["message"]
     path = tmp_path / "hermes.jinja"
     path.write_text(TOOL_TEMPLATE)
     for value in (str(path), TOOL_TEMPLATE):
