@@ -126,7 +126,7 @@ def test_too_large_requests_are_rejected_before_any_allocation(make_engine):
     # 200 blocks per stream, 4 layers: 50 blocks (800 tokens) per layer for one request alone
     engine = make_engine(n_blocks=400)
     with pytest.raises(RequestTooLargeError, match="maximum context length is"):
-        engine.submit(request([1] * 2000, max_tokens=100))
+        engine.submit(request([1] * 8200, max_tokens=100))
     with pytest.raises(RequestTooLargeError, match="whole pool"):
         engine.submit(request([1] * 900, max_tokens=10))
     assert engine.pool.stats.n_allocations == 0
