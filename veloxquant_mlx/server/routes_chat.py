@@ -24,6 +24,7 @@ from veloxquant_mlx.server.reasoning import splitter_for as reasoning_splitter
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.structured import compile_grammar, grammar_for
 from veloxquant_mlx.server.submission import (
+    OFF_LOOP_CHARS,
     check_model,
     fingerprint,
     sse_response,
@@ -61,15 +62,21 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     check_model(st, body.model)
     tokenizer = st.engine.tokenizer
     tools = template_tools(body, tokenizer)
-    try:
-        tokens = list(
+    messages = template_messages(body)
+
+    def render() -> list[int]:
+        return list(
             tokenizer.apply_chat_template(
-                template_messages(body),
-                tools=tools,
-                add_generation_prompt=True,
+                messages, tools=tools, add_generation_prompt=True,
                 **(body.chat_template_kwargs or {}),
             )
-        )
+        )  # fmt: skip
+
+    try:
+        # A long conversation (an agent's, resent every turn) takes ~130 ms to render and
+        # tokenize at 30k tokens: off the event loop, where every stream would wait for it.
+        long = sum(len(str(m.get("content") or "")) for m in messages) > OFF_LOOP_CHARS
+        tokens = await asyncio.to_thread(render) if long or tools else render()
     except APIError:
         raise
     except Exception as exc:  # a template that rejects the conversation (roles, order)

@@ -16,6 +16,7 @@ from veloxquant_mlx.server.errors import APIError, from_engine
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.schemas import CompletionRequest
 from veloxquant_mlx.server.submission import (
+    OFF_LOOP_CHARS,
     check_model,
     fingerprint,
     model_card,
@@ -42,9 +43,9 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 # ---------------------------------------------------------------------- completions
 
 
-def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
+async def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
     """The prompt(s) as token ids: a string, token ids, or a list of either (one choice set
-    per prompt)."""
+    per prompt). Long text is tokenized on a worker thread, off the event loop."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
@@ -59,10 +60,17 @@ def _prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
             code="invalid_value",
             param="prompt",
         )
-    return [
-        (st.engine.tokenizer.encode(p) if p else []) if isinstance(p, str) else [int(t) for t in p]
-        for p in prompts
-    ]
+
+    def encode() -> list[list[int]]:
+        return [
+            (st.engine.tokenizer.encode(p) if p else [])
+            if isinstance(p, str)
+            else [int(t) for t in p]
+            for p in prompts
+        ]
+
+    long = sum(len(p) for p in prompts if isinstance(p, str)) > OFF_LOOP_CHARS
+    return await asyncio.to_thread(encode) if long else encode()
 
 
 async def _echoes(
@@ -126,7 +134,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             400, "echo is not supported with stream: true", code="invalid_value", param="echo"
         )
     k = body.logprobs
-    prompts = _prompts(st, body)
+    prompts = await _prompts(st, body)
     echoes = await _echoes(request, st, body, prompts) if body.echo else None
     handles = (
         submit_all(

@@ -37,6 +37,11 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 NO_WINDOW_MAX_TOKENS = 4096
 
 
+# Prompts longer than this (characters) are templated and tokenized on a worker thread: a
+# 30,000-token conversation takes ~130 ms, which on the event loop every stream would wait.
+OFF_LOOP_CHARS = 8_000
+
+
 def model_card(st: AppState) -> dict[str, Any]:
     return {
         "id": st.model_name,
