@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.models import MEDIUM_CONFIG
 from loadtest.__main__ import level, parse
 from loadtest.proc import free_port, server
 from loadtest.runner import WORDS
@@ -69,15 +70,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},  # the embedded default model's shape
     # ~80M parameters with a 32,000-token vocabulary (Llama-2's, Mistral's): sampling's share
     # of a CPU step at a vocabulary of a real model's size.
-    "32k": {
-        "hidden_size": 768,
-        "num_hidden_layers": 8,
-        "intermediate_size": 2048,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 32000,
-    },
+    "32k": {**MEDIUM_CONFIG, "vocab_size": 32000},
     # The 1B shape's 16 layers at a tiny width: a decode step is almost all host (Python and
     # launch) work, which is what a GPU step must hide behind its compute.
     "host": {

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from veloxquant_mlx.engine.model.default_model import ASSETS
+
 ADMIN = "e2e-admin-key"
 MODEL = "veloxquant-tiny-llama"
 
@@ -120,17 +122,8 @@ def pool_free_after(server) -> Iterator[None]:
     server.wait_pool_free()
 
 
-TOOL_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}<|system|>\nTools (call one as <tool_call>"
-    '{"name": ..., "arguments": {...}}</tool_call>):\n'
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
-    "{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
-    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
-    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
-    "</tool_call>{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# The embedded model's own template: Hermes-style tool calls (JSON in <tool_call> tags).
+TOOL_TEMPLATE = json.loads((ASSETS / "tokenizer_config.json").read_text())["chat_template"]
 
 WEATHER = {
     "type": "function",
