@@ -4,6 +4,7 @@
 # at one concurrency. Loopback only; every process it starts is stopped by pid.
 #
 #   benchmarks/profile_serving.sh MODEL_DIR OUT_DIR CONCURRENCY PROMPT_WORDS [server flags...]
+# (LOAD_ARGS: more load client flags, e.g. "--temperature 0.7 --top-p 0.9")
 set -euo pipefail
 model=$1 out=$2 c=$3 words=$4; shift 4
 mkdir -p "$out"
@@ -14,7 +15,7 @@ cleanup() { [ -n "$lt" ] && kill "$lt" 2>/dev/null; kill ${srv:-} 2>/dev/null; w
 trap cleanup EXIT
 start_server "$model" "$out/server.log" "$@"
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
-  --max-tokens 128 --no-leak-check "$@"; }
+  --max-tokens 128 --no-leak-check ${LOAD_ARGS:-} "$@"; }
 load --concurrency 4 --requests 8 > /dev/null
 load --concurrency "$c" --requests $((c * 4)) > "$out/load.txt" 2>&1 &
 lt=$!

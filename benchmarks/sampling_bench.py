@@ -5,7 +5,8 @@
 For each batch size it times (milliseconds a step, evaluated, median of ``--steps``):
 
 - ``greedy``: one argmax over the batch (the floor);
-- ``batched``: ``BatchSampler`` with every row at temperature 0.7 and top_p 0.9;
+- ``batched``: ``BatchSampler`` with every row at temperature 0.7 and top_p 0.9 (logits in
+  ``--dtype``, a model's output dtype);
 - ``batched+proc``: the same with a repetition / presence / frequency penalty and a logit_bias
   of 8 ids on every row;
 - ``per-row``: mlx_lm's ``make_sampler`` (and ``make_logits_processors`` for ``+proc``) called
@@ -94,15 +95,17 @@ def main() -> None:
     p.add_argument("--rows", default="8,32,128")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16", help="the logits' (a model's output dtype)")
     a = p.parse_args()
-    print(f"device {mx.default_device()}, vocabulary {a.vocab}, ms a step (median)")
+    dtype = getattr(mx, a.dtype)
+    print(f"device {mx.default_device()}, vocabulary {a.vocab}, {a.dtype}, ms a step (median)")
     print(
-        "| rows | greedy | batched | per-row | per-row / batched | batched+proc | per-row+proc "
-        "| per-row / batched (+proc) |"
+        "| rows | greedy | batched | per-row | per-row / batched | batched+proc "
+        "| per-row+proc | per-row / batched (+proc) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(x) for x in a.rows.split(",")):
-        logits = mx.random.normal((rows, a.vocab))
+        logits = (mx.random.normal((rows, a.vocab)) * 3).astype(dtype)
         mx.eval(logits)
         greedy = timed(lambda x: [mx.argmax(x, axis=-1)], logits, a.steps)
         ours = timed(batched(SAMPLED, rows, a.vocab), logits, a.steps)

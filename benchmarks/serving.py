@@ -316,9 +316,12 @@ def main() -> None:
             str(shared), "--turns", str(a.turns), "--processes", str(a.client_processes),
             "--api", "chat" if a.turns > 1 else "completions"]  # fmt: skip
     # each traffic its own prompts (a seed each): none finds another's in the prefix cache
+    kinds = a.sampling.split(",")  # a kind named again runs again: "sampled-2" (warm figures)
+    names = [t if kinds[:i].count(t) == 0 else f"{t}-{kinds[:i].count(t) + 1}"
+             for i, t in enumerate(kinds)]  # fmt: skip
     lts = {
-        t: parse([*base, *TRAFFIC[t], "--seed", str(101 * i)])
-        for i, t in enumerate(a.sampling.split(","))
+        name: parse([*base, *TRAFFIC[t], "--seed", str(101 * i)])
+        for i, (name, t) in enumerate(zip(names, kinds, strict=True))
     }
     lt = lts.get("greedy") or next(iter(lts.values()))
     results: dict[str, Any] = {"shape": a.shape, "prompt_tokens": a.prompt_tokens,
