@@ -39,6 +39,12 @@ class EngineConfig:
     # Where running rows' KV lives: "paged" (the pool's blocks, read through block tables),
     # "dense" (a contiguous working set, O(row) joins and leaves), "auto" (the measured best).
     kv_layout: str = "auto"
+    # How the pool's blocks hold K and V (kv/codec.py): "auto" (the model's float type),
+    # "int8" / "int4" (group-wise quantized, read by quantized attention; the dense layout).
+    kv_format: str = "auto"
+    # Values per scale and bias of a quantized format (32 or 64); None: 64 where it divides
+    # the model's head_dim, else 32.
+    kv_group_size: int | None = None
     # How a decode step whose rows sit at different positions attends (kv/attention.py):
     # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
     # (the measured best: matmul on a GPU, sdpa on a CPU).

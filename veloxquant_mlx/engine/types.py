@@ -199,6 +199,7 @@ class StepSnapshot:
     blocks_in_use: int = 0  # K + V blocks the running requests hold (shared pages once)
     preemptions_total: int = 0
     kv_layout: str = ""  # "paged" or "dense" (kv.paged)
+    kv_format: str = ""  # what the blocks hold: the model's float type, "int8" or "int4"
     ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
     prefix_caching: bool = False

@@ -145,6 +145,7 @@ def _routed(original: Any) -> Any:
         if (
             isinstance(cache, StepCache)
             and cache.batch.matmul
+            and not hasattr(cache, "bits")  # quantized KV: mlx_lm's quantized attention
             and isinstance(mask, mx.array)
             and sinks is None
             and queries.shape[2] == 1

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.kv.attention import RaggedAttention
+from veloxquant_mlx.kv.codec import Stored
 from veloxquant_mlx.kv.step import StepBatch
 
 ROW_CHUNK = 8  # DenseKV grows its rows in chunks of this many (PagedKV its table mirror)
@@ -107,11 +108,10 @@ class DenseKV:
     # after the previous step").
     launch_after_previous = False
 
-    def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
-        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each. A
-        page's payload is ``(span, j)``: page ``j`` of a span copied at registration (one
-        array per layer and stream); runs of consecutive pages of one span are one slice."""
-        runs: list[tuple[Any, int, int]] = []  # (span, first page, pages)
+    @staticmethod
+    def _runs(pages: list[Any]) -> list[tuple[Any, int, int]]:
+        """``pages`` as runs (span, first page, pages) of consecutive pages of one span."""
+        runs: list[tuple[Any, int, int]] = []
         for page in pages:
             span, j = page.kv
             last = runs[-1] if runs else None
@@ -119,6 +119,21 @@ class DenseKV:
                 runs[-1] = (span, last[1], last[2] + 1)
             else:
                 runs.append((span, j, 1))
+        return runs
+
+    def encode_span(self, x: mx.array) -> Any:
+        """What a cached page keeps of a prefill's KV ``x`` (a view; the caller copies)."""
+        return x
+
+    def page_parts(self, pages: list[Any]) -> list[tuple[Stored, Stored]]:
+        """The cached pages' KV as stored (``kv.codec``: one part per stream here)."""
+        return [((k,), (v,)) for k, v in self.read_pages(pages)]
+
+    def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]:
+        """The cached pages' KV, concatenated per layer: ``[1, H, pages * bs, D]`` each. A
+        page's payload is ``(span, j)``: page ``j`` of a span copied at registration (one
+        array per layer and stream); runs of consecutive pages of one span are one slice."""
+        runs = self._runs(pages)
         out = []
         for layer in range(self.n_layers):
             pair = []

@@ -18,7 +18,9 @@ class KVLayout(Protocol):
     each step is ``step_batch`` -> ``begin_step`` -> ``write_read`` per layer (through
     ``kv.step.StepCache``). ``keeps_pages``: a cached page's KV stays in the pool's blocks (no
     copy to cache it); where it does not, ``row_span`` reads a leaving row's KV to copy.
-    ``fused``: attention reads the layout itself (``PagedKV.attend``).
+    ``fused``: attention reads the layout itself (``PagedKV.attend``). ``read_pages`` gives
+    cached pages in the model's type; ``page_parts`` as stored (``kv.codec``: one part per
+    stream, three when quantized), and ``encode_span`` is what a page keeps of a prefill's KV.
     ``launch_after_previous``: a step is launched once the previous one has let go of its
     inputs (BENCHMARKS.md, "The paged store launched after the previous step").
     """
@@ -46,6 +48,10 @@ class KVLayout(Protocol):
     ) -> tuple[mx.array, mx.array]: ...
 
     def read_pages(self, pages: list[Any]) -> list[tuple[mx.array, mx.array]]: ...
+
+    def page_parts(self, pages: list[Any]) -> list[tuple[Any, Any]]: ...
+
+    def encode_span(self, x: mx.array) -> Any: ...
 
     def row_span(self, row: int, start: int, end: int) -> list[tuple[mx.array, mx.array]]: ...
 

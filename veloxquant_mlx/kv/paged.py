@@ -29,7 +29,9 @@ import numpy as np
 
 from veloxquant_mlx.kv import paged_attention
 from veloxquant_mlx.kv.attention import RaggedAttention
+from veloxquant_mlx.kv.codec import KVCodec, Stored
 from veloxquant_mlx.kv.dense import ROW_CHUNK, DenseKV
+from veloxquant_mlx.kv.quantized import QuantizedDenseKV
 from veloxquant_mlx.kv.step import StepBatch
 
 
@@ -294,6 +296,14 @@ class PagedKV:
         mx.eval(got)
         return [(got[2 * layer][None], got[2 * layer + 1][None]) for layer in range(self.n_layers)]
 
+    def page_parts(self, pages: list[Any]) -> list[tuple[Stored, Stored]]:
+        """The cached pages' KV as stored (``kv.codec``: one part per stream here)."""
+        return [((k,), (v,)) for k, v in self.read_pages(pages)]
+
+    def encode_span(self, x: mx.array) -> mx.array:
+        """Never needed: a cached page's KV stays in its blocks (``keeps_pages``)."""
+        return x
+
     def clear(self) -> None:
         """Keep the store: it is the pool's memory, sized once."""
 
@@ -308,10 +318,17 @@ def make_kv(
     n_ids: int,
     ragged: RaggedAttention | None = None,
     fused: bool = False,
+    codec: KVCodec | None = None,
 ) -> DenseKV | PagedKV:
-    """The layout ``kind`` ("dense" or "paged"; ``fused``: paged, attending through the tables)."""
+    """The layout ``kind`` ("dense" or "paged"; ``fused``: paged, attending through the tables),
+    its KV stored as ``codec`` says (None or a float codec: the model's type as it comes; a
+    quantized codec: the dense layout only)."""
     if fused and kind != "paged":
         raise ValueError("fused paged attention needs the paged KV layout")
+    if codec is not None and codec.quantized:
+        if kind != "dense":
+            raise ValueError(f"--kv-format {codec.name} needs --kv-layout dense (or auto)")
+        return QuantizedDenseKV(n_layers, codec, block_size, ragged)
     if kind == "dense":
         return DenseKV(n_layers, block_size, ragged)
     if kind == "paged":

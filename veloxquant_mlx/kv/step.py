@@ -98,6 +98,9 @@ class StepCache:
         # new token and the routed attention (kv.attention) reads the blocks, and says so.
         self.fused: bool = kv.fused
         self.attended = False
+        codec = getattr(kv, "codec", None)
+        if codec is not None:  # quantized KV: mlx_lm's attention reads it through these
+            self.bits, self.group_size = codec.bits, codec.group_size
 
     @property
     def offset(self) -> mx.array | int:

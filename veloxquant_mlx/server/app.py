@@ -50,6 +50,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         idle_prefill_budget=settings.idle_prefill_budget,
         warm_up=settings.warm_up,
         kv_layout=settings.kv_layout,
+        kv_format=settings.kv_format,
+        kv_group_size=settings.kv_group_size,
         ragged_attention=settings.ragged_attention,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,

@@ -50,6 +50,7 @@ class EngineCollector(Collector):
                 "world_size",
                 "parallel",
                 "kv_layout",
+                "kv_format",
                 "ragged_attention",
             ],
         )
@@ -65,6 +66,7 @@ class EngineCollector(Collector):
                 str(group.world_size),
                 group.mode,
                 stats.kv_layout,
+                stats.kv_format,
                 stats.ragged_attention,
             ],
             1,
@@ -126,6 +128,21 @@ class EngineCollector(Collector):
                 "KV bytes checked out to requests.",
                 pstats.blocks_in_use() * per_block,
             )
+            fmt = stats.kv_format or "unknown"
+            blocks = GaugeMetricFamily(
+                "veloxquant_kv_format_blocks",
+                "Pool blocks checked out, by the format they hold (--kv-format).",
+                labels=["format"],
+            )
+            blocks.add_metric([fmt], pstats.blocks_in_use())
+            yield blocks
+            used = GaugeMetricFamily(
+                "veloxquant_kv_format_bytes",
+                "KV bytes checked out, by the format the blocks hold (--kv-format).",
+                labels=["format"],
+            )
+            used.add_metric([fmt], pstats.blocks_in_use() * per_block)
+            yield used
             yield _gauge(
                 "veloxquant_kv_cache_capacity_bytes",
                 "KV bytes the pool manages.",

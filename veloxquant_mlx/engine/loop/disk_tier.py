@@ -31,6 +31,8 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.prefix_cache import Page, chain
+from veloxquant_mlx.kv.codec import Stored as Parts
+from veloxquant_mlx.kv.codec import copy_span, join_spans
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -64,18 +66,21 @@ class DiskTier:
         root: ``--prefix-cache-dir``; pages go in a subdirectory named by ``fp``.
         cap_bytes: The directory's size at most.
         fp: ``fingerprint``'s value.
-        n_layers: Layers (a page is a K and a V array per layer).
-        dtype: The KV's dtype.
+        n_layers: Layers (a page is a K and a V per layer).
+        dtypes: The dtype of each part a stream is stored as (``kv.codec``): the KV's float
+            type alone, or a quantized format's codes, scales and biases.
     """
 
-    def __init__(self, root: Path, cap_bytes: int, fp: str, n_layers: int, dtype: Any) -> None:
+    def __init__(
+        self, root: Path, cap_bytes: int, fp: str, n_layers: int, dtypes: tuple[Any, ...]
+    ) -> None:
         self.dir = Path(root) / fp[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fp = fp
         self.root_digest = bytes.fromhex(fp)
         self.cap = cap_bytes
         self.n_layers = n_layers
-        self.dtype = dtype
+        self.dtypes = dtypes
         self._lock = threading.Lock()  # the index: the engine thread and the writer
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
         files = []
@@ -116,10 +121,10 @@ class DiskTier:
         with self._lock:
             return digest.hex() in self._index
 
-    def open(self, digest: bytes, tokens: list[int]) -> list[tuple[mx.array, mx.array]] | None:
-        """The page ``digest`` of ``tokens`` (each layer's K and V, ``[1, H, bs, D]``), read
-        lazily (``check`` evaluates it), or None (with one log line, and the file removed)
-        when the file is missing, foreign or not this page's."""
+    def open(self, digest: bytes, tokens: list[int]) -> list[tuple[Parts, Parts]] | None:
+        """The page ``digest`` of ``tokens`` (each layer's K and V as stored, each part
+        ``[1, H, bs, *]``), read lazily (``check`` evaluates it), or None (with one log line,
+        and the file removed) when the file is missing, foreign or not this page's."""
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:
@@ -130,31 +135,38 @@ class DiskTier:
                 raise ValueError("written for another model, format or page")
             if json.loads(meta.get("tokens", "null")) != tokens:
                 raise ValueError("its tokens differ")
-            layers = [(arrays[f"{i}.k"], arrays[f"{i}.v"]) for i in range(self.n_layers)]
-            shape = layers[0][0].shape
+            n_parts = len(self.dtypes)
+            layers = [
+                (
+                    tuple(arrays[_name(i, "k", j)] for j in range(n_parts)),
+                    tuple(arrays[_name(i, "v", j)] for j in range(n_parts)),
+                )
+                for i in range(self.n_layers)
+            ]
+            shape = layers[0][0][0].shape
             if len(shape) != 4 or shape[0] != 1 or shape[2] != len(tokens):
                 raise ValueError(f"unexpected shape {shape}")
-            for k, v in layers:
-                if k.dtype != self.dtype or v.dtype != self.dtype or k.shape != shape:
-                    raise ValueError("unexpected dtype or shape")
-                if v.shape[:3] != shape[:3]:
-                    raise ValueError("unexpected value shape")
+            for pair in layers:
+                for parts in pair:
+                    for part, dtype in zip(parts, self.dtypes, strict=True):
+                        if part.dtype != dtype or part.shape[:3] != shape[:3]:
+                            raise ValueError("unexpected dtype or shape")
         except Exception as exc:  # a bad file is a miss, never a failure
             self.refuse(digest, exc)
             return None
         return layers
 
-    def check(self, digests: list[bytes], pages: list[list[tuple[mx.array, mx.array]]]) -> int:
+    def check(self, digests: list[bytes], pages: list[list[tuple[Parts, Parts]]]) -> int:
         """Read ``pages`` (opened in chain order) in one evaluation; where that fails, page by
         page, refusing the first that fails. Returns how many, from the first, are good."""
         try:
-            mx.eval([x for layers in pages for pair in layers for x in pair])
+            mx.eval([x for layers in pages for pair in layers for parts in pair for x in parts])
             good = len(pages)
         except Exception:
             good = 0
             for digest, layers in zip(digests, pages, strict=True):
                 try:
-                    mx.eval([x for pair in layers for x in pair])
+                    mx.eval([x for pair in layers for parts in pair for x in parts])
                 except Exception as exc:  # a short or damaged file
                     self.refuse(digest, exc)
                     break
@@ -176,17 +188,18 @@ class DiskTier:
         log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", _reason(exc))
         self._forget(name, unlink=True)
 
-    def save(
-        self, digest: bytes, tokens: list[int], layers: list[tuple[mx.array, mx.array]]
-    ) -> None:
+    def save(self, digest: bytes, tokens: list[int], layers: list[tuple[Parts, Parts]]) -> None:
         """Queue a page for the writer (its arrays' evaluation already launched); dropped when
         the page is on disk already or the queue is full."""
         name = digest.hex()
         if self.has(digest):
             return
-        arrays = {}
-        for i, (k, v) in enumerate(layers):
-            arrays[f"{i}.k"], arrays[f"{i}.v"] = k, v
+        arrays = {
+            _name(i, s, j): part
+            for i, pair in enumerate(layers)
+            for s, parts in zip(("k", "v"), pair, strict=True)
+            for j, part in enumerate(parts)
+        }
         try:
             self._queue.put_nowait((name, tokens, arrays))
         except queue.Full:
@@ -253,6 +266,12 @@ class DiskTier:
             (self.dir / (name + SUFFIX)).unlink(missing_ok=True)
 
 
+def _name(layer: int, stream: str, part: int) -> str:
+    """A part's name in a page file: "3.k" (a float page's, or a quantized one's codes),
+    "3.k.1" / "3.k.2" (scales, biases)."""
+    return f"{layer}.{stream}" if part == 0 else f"{layer}.{stream}.{part}"
+
+
 def _reason(exc: BaseException) -> str:
     """An exception as one short line, without paths."""
     text = str(exc).splitlines()[0] if str(exc) else ""
@@ -261,11 +280,11 @@ def _reason(exc: BaseException) -> str:
 
 def load_run(
     tier: DiskTier, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
-) -> tuple[int, list[tuple[mx.array, mx.array]] | None]:
+) -> tuple[int, list[tuple[Parts, Parts]] | None]:
     """Load the pages of ``tokens`` from page ``first`` (whose parent's digest is ``parent``)
-    up to ``limit`` pages, while the tier has them: how many, and their K and V per layer
-    concatenated (``[1, H, n * bs, D]``)."""
-    pages: list[list[tuple[mx.array, mx.array]]] = []
+    up to ``limit`` pages, while the tier has them: how many, and their K and V per layer as
+    stored, concatenated (``[1, H, n * bs, *]`` each part)."""
+    pages: list[list[tuple[Parts, Parts]]] = []
     digests: list[bytes] = []
     for i in range(first, limit):
         page_tokens = tokens[i * bs : (i + 1) * bs]
@@ -285,10 +304,7 @@ def load_run(
     if len(pages) == 1:
         return 1, pages[0]
     joined = [
-        (
-            mx.concatenate([p[layer][0] for p in pages], axis=2),
-            mx.concatenate([p[layer][1] for p in pages], axis=2),
-        )
+        (join_spans([p[layer][0] for p in pages]), join_spans([p[layer][1] for p in pages]))
         for layer in range(len(pages[0]))
     ]
     return len(pages), joined
@@ -300,6 +316,6 @@ def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:
     for page in pages:
         if tier.has(page.digest):
             continue
-        layers = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv.read_pages([page])]
-        mx.async_eval([x for pair in layers for x in pair])
+        layers = [(copy_span(k), copy_span(v)) for k, v in kv.page_parts([page])]
+        mx.async_eval([x for pair in layers for parts in pair for x in parts])
         tier.save(page.digest, list(page.key[1]), layers)

@@ -59,6 +59,7 @@ def snapshot_of(
         blocks_in_use=sched.blocks_in_use(),
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
+        kv_format=sched.kv_format,
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),

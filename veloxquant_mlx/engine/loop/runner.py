@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.loop.scheduler import Chunk, Seq, StepPlan
@@ -145,7 +146,8 @@ class Runner:
         n_pages = seq.pages.n_known
         layers = self.kv.read_pages(seq.pages.held[:n_pages]) if n_pages else []
         loaded, seq.preloaded = seq.preloaded, None
-        if loaded is not None:
+        if loaded is not None:  # as stored on disk (kv.codec): in the model's type for prefill
+            loaded = [(self.decode(k), self.decode(v)) for k, v in loaded]
             layers = (
                 [
                     (mx.concatenate([a[0], b[0]], axis=2), mx.concatenate([a[1], b[1]], axis=2))
@@ -181,6 +183,11 @@ class Runner:
         mx.async_eval(sampled.tokens)
         return sampled
 
+    def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
+        """A span as the layout stores it (``kv.codec``), in the model's type."""
+        codec = getattr(self.kv, "codec", None)
+        return parts[0] if codec is None else codec.decode(parts)
+
     def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
         state = row_state(seq)
         if layers is None:
@@ -204,8 +211,9 @@ class Runner:
         the dense layout, one copy per layer and stream of the new pages' span, made on the
         first call and evaluated with the next launch (pages point into it: a few copies per
         request, not one per page and layer)."""
+        encode = self.kv.encode_span
         return self._span_source(
-            seq, lambda a, b: [(k[:, :, a:b], v[:, :, a:b]) for k, v in layers]
+            seq, lambda a, b: [(encode(k[:, :, a:b]), encode(v[:, :, a:b])) for k, v in layers]
         )
 
     def row_pages(self, seq: Seq) -> Any:
@@ -225,8 +233,8 @@ class Runner:
                 return None
             if not region:
                 end = min(seq.n_kv, len(seq.tokens)) // bs * bs
-                span = [(mx.contiguous(k), mx.contiguous(v)) for k, v in read(i * bs, end)]
-                self.defer([x for pair in span for x in pair])
+                span = tree_map(mx.contiguous, read(i * bs, end))  # quantized: 3 parts each
+                self.defer([x for _, x in tree_flatten(span)])  # type: ignore[misc,str-unpack]
                 region.append((i, span))
             first, span = region[0]
             return span, i - first

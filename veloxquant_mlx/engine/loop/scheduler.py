@@ -127,6 +127,7 @@ class Scheduler:
         prefill_budget: int = 512,
         idle_prefill_budget: int = 2048,
         answers_up_to: int | None = None,
+        kv_format: str = "fp16",
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
@@ -141,6 +142,7 @@ class Scheduler:
         # many requests run (None: always); ``row_pages`` is set by the engine to the runner's
         # (the scheduler runs no MLX).
         self.answers_up_to = answers_up_to
+        self.kv_format = kv_format  # the format tag the pool records on blocks (kv.codec)
         self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
         # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set):
         # (tokens, first page, its parent's digest, pages at most) -> (pages, their KV).
@@ -164,7 +166,9 @@ class Scheduler:
         try:
             for stream in STREAMS:
                 taken.append(
-                    self.pool.allocate(stream, per_call * self.blocks.block_size, seq.request_id)
+                    self.pool.allocate(
+                        stream, per_call * self.blocks.block_size, seq.request_id, self.kv_format
+                    )
                 )
         except BlockPoolExhaustedError:
             for blocks in taken:

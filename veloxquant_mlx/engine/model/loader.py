@@ -21,6 +21,8 @@ from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
 from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv import codec as kv_codec
+from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.pool import BlockPoolAllocator
 
@@ -203,6 +205,7 @@ def disk_tier(
     geometry: KVGeometry,
     path: Path,
     in_group: bool,
+    codec: KVCodec,
 ) -> DiskTier | None:
     """The prefix cache's disk tier ``--prefix-cache-dir`` asks for, hooked into the
     scheduler (loads at admission) and the cache (writes on eviction)."""
@@ -213,15 +216,24 @@ def disk_tier(
         raise ValueError("--prefix-cache-dir needs prefix caching (drop --no-prefix-caching)")
     if in_group:
         raise ValueError("--prefix-cache-dir is not supported across ranks")
-    parts = ("kv-pages-v1", geometry.dtype, geometry.n_layers_total, geometry.n_kv_heads,
-             geometry.head_dim, cfg.block_size)  # fmt: skip
+    parts: tuple[object, ...] = (
+        "kv-pages-v1",
+        geometry.dtype,
+        geometry.n_layers_total,
+        geometry.n_kv_heads,
+        geometry.head_dim,
+        cfg.block_size,
+    )
+    if codec.quantized:  # a page of another format never matches
+        parts += (codec.name, codec.group_size)
     fp = fingerprint(path, parts)
+    probe = codec.encode(mx.zeros((1, 1, 1, geometry.head_dim), dtype=codec.dtype))
     tier = DiskTier(
         Path(cfg.prefix_cache_dir),
         int(cfg.prefix_cache_disk_gb * 2**30),
         fp,
         geometry.n_layers_total,
-        getattr(mx, geometry.dtype),
+        tuple(part.dtype for part in probe),
     )
     cache.root = tier.root_digest
     bs = cfg.block_size
@@ -246,6 +258,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     )
     check_supported(model)
     geometry = probe_geometry(model)
+    codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
     sizing = pool_config(
         geometry,
         block_size=cfg.block_size,
@@ -254,13 +267,14 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         separate_kv=cfg.separate_kv,
         grow_on_exhaustion=cfg.grow_on_exhaustion,
         max_blocks=cfg.max_blocks,
+        codec=codec,
     )
     if group is not None:  # the same capacity in tokens on every rank: the smallest
         per_token_block = 2 * geometry.n_layers_total
         token_blocks = group.min_int(sizing.n_blocks // per_token_block)
         sizing = dataclasses.replace(sizing, n_blocks=token_blocks * per_token_block)
     pool = BlockPoolAllocator(sizing)
-    per_block = geometry.bytes_per_block(cfg.block_size)
+    per_block = geometry.bytes_per_block(cfg.block_size, codec)
     n_blocks = pool.stats.n_blocks
     blocks = BlockMath(pool, geometry.n_layers_total)
     if not blocks.could_ever_fit(cfg.min_request_tokens):
@@ -276,7 +290,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
     if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)
         attention.install(model)
-    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused)
+    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused, codec)
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     runner = Runner(model, kv, vocab_size, cfg.block_size)
     scheduler = Scheduler(
@@ -289,19 +303,21 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_budget=prefill_budget(cfg),
         idle_prefill_budget=cfg.idle_prefill_budget,
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
+        kv_format=codec.name,
     )
     scheduler.row_pages = runner.row_pages
-    disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None)
+    disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
     log.info(
-        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV layout %s, "
-        "ragged attention %s, prefix caching %s, BLAS %s",
+        "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV %s in "
+        "layout %s, ragged attention %s, prefix caching %s, BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
+        codec.name + (f" (group {codec.group_size})" if codec.quantized else ""),
         layout + (" (fused attention)" if fused else ""),
         ragged.label,
         "on" if cfg.prefix_caching else "off",

@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.pool import PoolConfig
 
 
@@ -33,9 +34,12 @@ class KVGeometry:
     context_window: int | None
     dtype: str = ""
 
-    def bytes_per_block(self, block_size: int) -> int:
-        """Bytes behind one block: ``block_size`` slots of one layer's K (or V), one sequence."""
-        return block_size * self.n_kv_heads * self.head_dim * self.itemsize
+    def bytes_per_block(self, block_size: int, codec: KVCodec | None = None) -> int:
+        """Bytes behind one block: ``block_size`` slots of one layer's K (or V), one sequence,
+        stored as ``codec`` says (None: the model's type)."""
+        if codec is None:
+            return block_size * self.n_kv_heads * self.head_dim * self.itemsize
+        return block_size * self.n_kv_heads * codec.bytes_per_head_token(self.head_dim)
 
 
 def probe_geometry(model: Any) -> KVGeometry:
@@ -70,12 +74,14 @@ def pool_config(
     separate_kv: bool,
     grow_on_exhaustion: bool,
     max_blocks: int | None,
+    codec: KVCodec | None = None,
 ) -> PoolConfig:
-    """A PoolConfig from an explicit block count, or from a KV budget in MiB and the geometry."""
+    """A PoolConfig from an explicit block count, or from a KV budget in MiB and the geometry
+    (blocks of ``codec``'s size: a quantized format fits more of them in the budget)."""
     if n_blocks is None:
         if kv_cache_mb is None:
             raise ValueError("give n_blocks or kv_cache_mb")
-        n_blocks = int(kv_cache_mb * 2**20) // geometry.bytes_per_block(block_size)
+        n_blocks = int(kv_cache_mb * 2**20) // geometry.bytes_per_block(block_size, codec)
     return PoolConfig(
         block_size=block_size,
         n_blocks=n_blocks,

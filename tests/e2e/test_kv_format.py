@@ -1,0 +1,82 @@
+"""A server with quantized KV blocks (``--kv-format int8``) over real HTTP: the openai SDK's
+chat and streams, the format in /metrics, the pool free after, and a refused combination."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import MODEL, Server, free_port, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def int8_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(
+        tmp_path_factory.mktemp("kv-int8"),
+        "--kv-format", "int8", "--kv-cache-mb", "4", "--engine-process",
+    )  # fmt: skip
+    yield srv
+    srv.wait_pool_free()
+    assert stop_server(srv) == 0, srv.log()
+
+
+def test_int8_blocks_serve_chat_and_streams_and_show_in_metrics(int8_server):
+    client = openai.AsyncOpenAI(base_url=f"{int8_server.base_url}/v1", api_key="x")
+
+    async def one(i: int) -> str:
+        if i % 2:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Tell story {i} about a boat"}],
+                max_tokens=24,
+                stream=True,
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        r = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Question {i}: why is the sky blue?"}],
+            max_tokens=24,
+        )
+        assert r.usage is not None and r.usage.completion_tokens == 24
+        return r.choices[0].message.content or ""
+
+    async def run() -> list[str]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(6)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(run())
+    assert all(texts)
+    metrics = httpx.get(f"{int8_server.base_url}/metrics", timeout=10).text
+    fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+    assert fams["veloxquant_build_info"].samples[0].labels["kv_format"] == "int8"
+    formats = [s.labels["format"] for s in fams["veloxquant_kv_format_blocks"].samples]
+    assert formats == ["int8"]
+    per_block = fams["veloxquant_kv_bytes_per_block"].samples[0].value
+    # the embedded model: 16 tokens x 4 KV heads x (32 one-byte codes + 2 float32 per group)
+    assert per_block == 16 * 4 * (32 + 8)
+
+
+def test_a_format_the_layout_cannot_hold_is_refused_at_start_in_one_line(
+    tmp_path, default_model_dir
+):
+    cmd = [
+        sys.executable, "-m", "veloxquant_mlx.server", "--port", str(free_port()),
+        "--model-cache-dir", str(default_model_dir.parent),
+        "--kv-format", "int4", "--kv-layout", "paged", "--no-engine-process",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "--kv-format int4 needs --kv-layout dense" in out
+    assert "Traceback" not in out

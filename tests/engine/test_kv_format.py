@@ -1,0 +1,201 @@
+"""Quantized KV blocks (``--kv-format int8|int4``): the serving path against mlx_lm's own
+quantized cache, the pool's sizing and format tags, prefix caching and the disk tier on
+compressed pages, and the refusals."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from tests.conftest import assert_engine_all_free
+from tests.engine.conftest import wait_idle
+from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
+from veloxquant_mlx.kv import codec as kv_codec
+from veloxquant_mlx.kv.quantized import QuantizedDenseKV
+from veloxquant_mlx.kv.step import StepCache
+
+GREEDY = SamplingParams(temperature=0.0)
+BITS = {"int8": 8, "int4": 4}
+
+
+def test_formats_parse_and_refuse_with_one_line():
+    codec = kv_codec.parse("int8", "bfloat16", 128, None)
+    assert (codec.bits, codec.group_size, codec.dtype) == (8, 64, mx.bfloat16)
+    assert kv_codec.parse("int4", "float32", 32, None).group_size == 32  # 64 does not divide
+    assert not kv_codec.parse("auto", "float16", 64, None).quantized
+    assert not kv_codec.parse("fp16", "float16", 64, None).quantized  # the model's own type
+    # a 128-wide bf16 head: 256 bytes a token; int8 136 (1.88x), int4 72 (3.56x)
+    assert codec.bytes_per_head_token(128) == 136
+    assert kv_codec.parse("int4", "bfloat16", 128, None).bytes_per_head_token(128) == 72
+    for args, words in (
+        (("int8", "float32", 48, 32), "head_dim 48 is not a multiple of the group size 32"),
+        (("int4", "float32", 32, 64), "head_dim 32 is not a multiple of the group size 64"),
+        (("fp16", "bfloat16", 64, None), "a float format other than the model's"),
+        (("int3", "bfloat16", 64, None), "--kv-format must be one of"),
+    ):
+        with pytest.raises(ValueError, match=words) as info:
+            kv_codec.parse(*args)
+        assert "\n" not in str(info.value)
+
+
+def prefill(model, prompt: list[int]) -> tuple[list[tuple[mx.array, mx.array]], int]:
+    caches = [KVCache() for _ in model.layers]
+    logits = model(mx.array([prompt]), cache=caches)
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches], int(
+        mx.argmax(logits[0, -1])
+    )
+
+
+def stock_step(model, layers, token: int, fmt: str, group: int) -> mx.array:
+    """mlx_lm's own quantized cache filled with the same full-precision prefill KV, one step."""
+    caches = [QuantizedKVCache(group_size=group, bits=BITS[fmt]) for _ in layers]
+    for c, (k, v) in zip(caches, layers, strict=True):
+        c.update_and_fetch(k, v)
+    return model(mx.array([[token]]), cache=caches)[0, -1]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_decode_step_matches_mlx_lms_quantized_cache(default_model, fmt):
+    """Rows at different positions (a masked step) and one row alone (unmasked): each row's
+    logits are mlx_lm's ``QuantizedKVCache`` step's for that row alone."""
+    model, _ = default_model
+    codec = kv_codec.parse(fmt, "float32", model.layers[0].self_attn.head_dim, None)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (7, 19)]
+    rows = [prefill(model, p) for p in prompts]
+    for batch_rows in ([0, 1], [1]):
+        kv = QuantizedDenseKV(len(model.layers), codec)
+        for slot, i in enumerate(batch_rows):
+            kv.put_row(slot, rows[i][0], None)
+        batch = kv.step_batch([len(prompts[i]) for i in batch_rows])
+        kv.begin_step(batch, 0)
+        caches = [StepCache(kv, layer, batch) for layer in range(len(model.layers))]
+        tokens = mx.array([[rows[i][1]] for i in batch_rows])
+        ours = model(tokens, cache=caches)[:, -1]
+        for slot, i in enumerate(batch_rows):
+            stock = stock_step(model, rows[i][0], rows[i][1], fmt, codec.group_size)
+            assert mx.allclose(ours[slot], stock, atol=1e-4).item(), (batch_rows, i)
+
+
+def stock_quantized_tokens(model, prompt: list[int], n: int, fmt: str, group: int) -> list[int]:
+    """Full-precision prefill, then mlx_lm's quantized cache for every decode step."""
+    layers, token = prefill(model, prompt)
+    caches = [QuantizedKVCache(group_size=group, bits=BITS[fmt]) for _ in layers]
+    for c, (k, v) in zip(caches, layers, strict=True):
+        c.update_and_fetch(k, v)
+    out = [token]
+    while len(out) < n:
+        logits = model(mx.array([[out[-1]]]), cache=caches)
+        out.append(int(mx.argmax(logits[0, -1])))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_served_tokens_match_mlx_lms_quantized_cache_with_rows_joining_and_leaving(
+    make_engine, default_model, fmt
+):
+    """Eight prompts at once through 3 running slots and 16-token prefill chunks: every
+    request's greedy tokens are a full-precision prefill followed by mlx_lm's quantized cache
+    (the serving path adds nothing of its own to the quantization); the blocks carry the
+    format's tag while they are held; the pool is all free after."""
+    engine = make_engine(
+        kv_cache_mb=8, kv_format=fmt, max_running=3, prefill_step=16, prefix_caching=False
+    )
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
+    lengths = [12, 5, 20, 9, 16, 3, 11, 7]
+    handles = [
+        engine.submit(GenerationRequest(tuple(p), n, GREEDY))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    formats: set[str] = set()
+    while not all(h.done for h in handles):  # the blocks of whatever runs now
+        formats |= {
+            b.format for o in engine.pool.owner_block_counts() for b in engine.pool.blocks_for(o)
+        }
+    for h, p, n in zip(handles, prompts, lengths, strict=True):
+        tokens, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+        expected = stock_quantized_tokens(default_model[0], p, n, fmt, 32)
+        assert [t.token_id for t in tokens] == expected
+    assert formats == {fmt} and engine.stats().kv_format == fmt
+    wait_idle(engine)
+
+
+def test_a_quantized_pool_holds_more_tokens_in_the_same_budget(make_engine):
+    """The same --kv-cache-mb: blocks are sized by the format's bytes (the embedded model's KV
+    is float32 with 32-wide heads: 128 bytes a head and token, int8 40, int4 24)."""
+    counts = {}
+    for fmt in ("auto", "int8", "int4"):
+        engine = make_engine(kv_cache_mb=4, kv_format=fmt)
+        counts[fmt] = (engine.pool.stats.n_blocks, engine.kv_bytes_per_block)
+    assert counts["int8"][0] / counts["auto"][0] >= 3.1
+    assert counts["int4"][0] / counts["auto"][0] >= 5.2
+    for n, per_block in counts.values():  # the same bytes, within one block
+        assert abs(n * per_block - 4 * 2**20) < per_block
+
+
+def test_cached_pages_stay_compressed_and_are_hit(make_engine):
+    """A prompt's pages are cached as quantized spans; the same prompt again hits them and
+    decodes the same tokens as the first time's second run (both start from those pages)."""
+    engine = make_engine(kv_cache_mb=8, kv_format="int8")
+    prompt = tuple(random.Random(4).randrange(3, 2000) for _ in range(70))
+    runs = []
+    for _ in range(3):
+        tokens, finish = engine.submit(GenerationRequest(prompt, 6, GREEDY)).collect(60)
+        runs.append(([t.token_id for t in tokens], finish.usage.cached_tokens))
+    assert runs[0][1] == 0 and runs[1][1] >= 64 and runs[2][1] >= 64
+    assert runs[1][0] == runs[2][0]
+    cache = engine._core.scheduler.cache
+    pages = list(cache.pages())
+    assert pages
+    span, _ = pages[0].kv
+    k_parts = span[0][0]
+    assert len(k_parts) == 3 and k_parts[0].dtype == mx.uint32
+
+
+def test_the_disk_tier_keeps_compressed_pages_across_a_restart(default_model_dir, tmp_path):
+    """Pages written at a stop hold the quantized parts, and a restarted engine loads them and
+    decodes what a hit in memory decoded."""
+    prompt = tuple(random.Random(6).randrange(3, 2000) for _ in range(70))
+    config = EngineConfig(
+        model_cache_dir=str(default_model_dir.parent),
+        kv_cache_mb=8,
+        kv_format="int8",
+        prefix_cache_dir=str(tmp_path),
+    )
+    results = []
+    for runs in (2, 1):
+        engine = Engine(config).start()
+        try:
+            engine.wait_ready(120)
+            for _ in range(runs):
+                tokens, finish = engine.submit(GenerationRequest(prompt, 6, GREEDY)).collect(60)
+                results.append(([t.token_id for t in tokens], finish.usage.cached_tokens))
+            wait_idle(engine)
+            assert_engine_all_free(engine)
+        finally:
+            engine.shutdown(10)
+    assert results[2][1] >= 64, "the restarted engine loaded the pages from disk"
+    assert results[2][0] == results[1][0]
+    files = list(tmp_path.rglob("*.safetensors"))
+    assert files
+    names = set(mx.load(str(files[0])))
+    assert {"0.k", "0.k.1", "0.k.2", "0.v", "0.v.1", "0.v.2"} <= names
+
+
+def test_a_quantized_format_with_the_paged_layout_is_refused(default_model_dir):
+    engine = Engine(
+        EngineConfig(
+            model_cache_dir=str(default_model_dir.parent), kv_format="int8", kv_layout="paged"
+        )
+    ).start()
+    try:
+        with pytest.raises(Exception, match="--kv-format int8 needs --kv-layout dense"):
+            engine.wait_ready(120)
+    finally:
+        engine.shutdown(5)
