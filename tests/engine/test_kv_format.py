@@ -199,3 +199,75 @@ def test_a_quantized_format_with_the_paged_layout_is_refused(default_model_dir):
             engine.wait_ready(120)
     finally:
         engine.shutdown(5)
+
+
+def test_a_backend_without_the_kernel_is_refused_at_start_in_one_line(monkeypatch):
+    """MLX 0.32's CUDA backend has no quantized_matmul for some head widths and group sizes
+    (it raised at the first decode step); that cannot happen on this CPU, so the backend's
+    error is stood in for here, and the refusal must name the format and what to try."""
+    from mlx_lm.models import base
+
+    codec = kv_codec.parse("int8", "bfloat16", 64, None)
+    kv_codec.check_kernels(codec, 32, 8, 64)  # this backend has the kernel
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x9x64x32")
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", missing)
+    with pytest.raises(ValueError, match="try --kv-group-size 32 or --kv-format auto") as info:
+        kv_codec.check_kernels(codec, 32, 8, 64)
+    assert "\n" not in str(info.value) and "No implementation" in str(info.value)
+
+
+def test_rows_preempted_from_a_quantized_pool_come_back_and_finish(make_engine):
+    """Four long requests in a pool that holds about three: rows are preempted (their pages
+    cached compressed) and resumed, every request ends with all its tokens, nothing leaks."""
+    engine = make_engine(n_blocks=220, kv_cache_mb=None, kv_format="int4", prefill_step=32)
+    rng = random.Random(8)
+    prompts = [tuple(rng.randrange(3, 2000) for _ in range(40)) for _ in range(4)]
+    handles = [engine.submit(GenerationRequest(p, 100, GREEDY)) for p in prompts]
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert finish.finish_reason == "length" and len(tokens) == 100
+    assert engine.stats().preemptions_total > 0
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_sliding"])
+def test_other_attention_kinds_serve_quantized(tmp_path, arch):
+    """q/k norms (qwen3) and sliding-window layers (their masks go to the quantized attention):
+    served in int8 alongside each other, every request completes, nothing leaks."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from tests.engine.test_layouts import ARCHS
+    from veloxquant_mlx.engine.model.default_model import ASSETS, CONFIG, TOKENIZER_FILES
+
+    config = {**CONFIG, **ARCHS[arch]}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(config))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())), {}
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(ASSETS / name, tmp_path / name)
+    engine = Engine(
+        EngineConfig(model=str(tmp_path), kv_cache_mb=8, kv_format="int8", max_running=3)
+    ).start()
+    try:
+        engine.wait_ready(120)
+        rng = random.Random(2)
+        prompts = [tuple(rng.randrange(3, 2000) for _ in range(n)) for n in (5, 30, 12, 21)]
+        handles = [engine.submit(GenerationRequest(p, 15, GREEDY)) for p in prompts]
+        for h in handles:
+            tokens, finish = h.collect(120)
+            assert finish.finish_reason == "length" and len(tokens) == 15
+        wait_idle(engine)
+        assert_engine_all_free(engine)
+    finally:
+        engine.shutdown(5)

@@ -259,6 +259,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     check_supported(model)
     geometry = probe_geometry(model)
     codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
+    n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
+    kv_codec.check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim)
     sizing = pool_config(
         geometry,
         block_size=cfg.block_size,
