@@ -115,7 +115,10 @@ def check_kernels(codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int) 
 
     for length in (9, 300):
         queries = mx.zeros((2, n_heads, 1, head_dim), dtype=codec.dtype)
-        kv = codec.encode(mx.ones((2, n_kv_heads, length, head_dim), dtype=codec.dtype))
+        codes, scales, biases = codec.encode(
+            mx.ones((2, n_kv_heads, length, head_dim), dtype=codec.dtype)
+        )
+        kv = (codes, scales, biases)
         mask = (mx.arange(length)[None, :] < mx.array([[length], [length - 3]]))[:, None, None]
         try:
             mx.eval(
