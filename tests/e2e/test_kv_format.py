@@ -1,5 +1,6 @@
-"""A server with quantized KV blocks (``--kv-format int8``) over real HTTP: the openai SDK's
-chat and streams, the format in /metrics, the pool free after, and a refused combination."""
+"""A server with quantized KV blocks and a residual window (``--kv-format int8
+--kv-recent-tokens 16``) over real HTTP: the openai SDK's chat and streams, the formats in
+/metrics, the pool free after, and a refused combination."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def int8_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
     os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
     srv = start_server(
         tmp_path_factory.mktemp("kv-int8"),
-        "--kv-format", "int8", "--kv-cache-mb", "4", "--engine-process",
+        "--kv-format", "int8", "--kv-recent-tokens", "16", "--kv-cache-mb", "4",
+        "--engine-process",
     )  # fmt: skip
     yield srv
     srv.wait_pool_free()
@@ -61,7 +63,9 @@ def test_int8_blocks_serve_chat_and_streams_and_show_in_metrics(int8_server):
     fams = {f.name: f for f in text_string_to_metric_families(metrics)}
     assert fams["veloxquant_build_info"].samples[0].labels["kv_format"] == "int8"
     formats = [s.labels["format"] for s in fams["veloxquant_kv_format_blocks"].samples]
-    assert formats == ["int8"]
+    assert formats == ["int8"]  # the windows are beside the blocks, in the model's type:
+    by_bytes = {s.labels["format"] for s in fams["veloxquant_kv_format_bytes"].samples}
+    assert by_bytes == {"int8", "float32"}
     per_block = fams["veloxquant_kv_bytes_per_block"].samples[0].value
     # the embedded model: 16 tokens x 4 KV heads x (32 one-byte codes + 2 float32 per group)
     assert per_block == 16 * 4 * (32 + 8)

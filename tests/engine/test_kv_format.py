@@ -5,6 +5,7 @@ compressed pages, and the refusals."""
 from __future__ import annotations
 
 import random
+import time
 
 import mlx.core as mx
 import pytest
@@ -271,3 +272,116 @@ def test_other_attention_kinds_serve_quantized(tmp_path, arch):
         assert_engine_all_free(engine)
     finally:
         engine.shutdown(5)
+
+
+class MixedReference:
+    """A stock-protocol cache holding a row's KV as a window would see it: positions before
+    the newest ``recent`` quantized and dequantized again, the newest in full precision."""
+
+    def __init__(self, k: mx.array, v: mx.array, codec, recent: int) -> None:
+        self.k, self.v, self.codec, self.recent = k, v, codec, recent
+        self.offset = k.shape[2]
+
+    def update_and_fetch(self, nk: mx.array, nv: mx.array) -> tuple[mx.array, mx.array]:
+        out = []
+        for x in (mx.concatenate([self.k, nk], axis=2), mx.concatenate([self.v, nv], axis=2)):
+            cut = max(0, x.shape[2] - self.recent)
+            if cut:
+                old = self.codec.decode(self.codec.encode(x[:, :, :cut]))
+                x = mx.concatenate([old, x[:, :, cut:]], axis=2)
+            out.append(x)
+        return out[0], out[1]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None):
+        return None
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_residual_window_attends_over_full_precision_recent_tokens(default_model, fmt):
+    """--kv-recent-tokens: each row's newest tokens come from the full-precision ring and the
+    older ones from the codes, in one softmax: a row longer than the window and one shorter
+    (all of it in the ring), batched at different positions, each equal to a reference
+    attending over exactly that mixture."""
+    from veloxquant_mlx.kv import attention
+
+    model, _ = default_model
+    attention.install(model)
+    recent = 12
+    codec = kv_codec.parse(fmt, "float32", model.layers[0].self_attn.head_dim, None)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (29, 7)]
+    rows = [prefill(model, p) for p in prompts]
+    kv = QuantizedDenseKV(len(model.layers), codec, recent=recent)
+    for slot, (layers, _) in enumerate(rows):
+        kv.put_row(slot, layers, None)
+    batch = kv.step_batch([len(p) for p in prompts])
+    kv.begin_step(batch, 0)
+    caches = [StepCache(kv, layer, batch) for layer in range(len(model.layers))]
+    ours = model(mx.array([[t] for _, t in rows]), cache=caches)[:, -1]
+    assert all(c.attended for c in caches)
+    for slot, (layers, token) in enumerate(rows):
+        ref = [MixedReference(k, v, codec, recent) for k, v in layers]
+        expected = model(mx.array([[token]]), cache=ref)[0, -1]
+        assert mx.allclose(ours[slot], expected, atol=1e-4).item(), slot
+
+
+def test_a_residual_window_serves_and_is_accounted(make_engine):
+    """int4 with a 16-token window: rows join and leave, every request completes, the
+    windows' bytes show beside the blocks while rows run, and the budget set them aside."""
+    plain = make_engine(kv_cache_mb=8, kv_format="int4", max_running=4)
+    engine = make_engine(kv_cache_mb=8, kv_format="int4", max_running=4, kv_recent_tokens=16)
+    # the embedded model: 4 layers x 4 KV heads x 32 x 2 (K, V) x 16 tokens x 4 bytes per row
+    per_row = 4 * 4 * 32 * 2 * 16 * 4
+    saved = (plain.pool.stats.n_blocks - engine.pool.stats.n_blocks) * engine.kv_bytes_per_block
+    assert abs(saved - 4 * per_row) <= engine.kv_bytes_per_block
+    rng = random.Random(9)
+    prompts = [tuple(rng.randrange(3, 2000) for _ in range(n)) for n in (5, 40, 18, 9, 33, 26)]
+    handles = [engine.submit(GenerationRequest(p, 24, GREEDY)) for p in prompts]
+    seen = 0
+    while not all(h.done for h in handles):
+        stats = engine.stats()
+        if stats.running:
+            assert stats.kv_window_format == "float32"
+            seen = max(seen, stats.kv_window_bytes)
+        time.sleep(0.002)
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert finish.finish_reason == "length" and len(tokens) == 24
+    assert seen >= per_row and seen % per_row == 0
+    wait_idle(engine)
+
+
+def test_a_window_is_refused_where_it_cannot_work(default_model_dir, tmp_path):
+    """Without a quantized format, larger than the budget, and for a model with
+    sliding-window layers: refused at start, one line each."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from tests.engine.test_layouts import ARCHS
+    from veloxquant_mlx.engine.model.default_model import ASSETS, CONFIG, TOKENIZER_FILES
+
+    config = {**CONFIG, **ARCHS["llama_sliding"]}
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())), {}
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(ASSETS / name, tmp_path / name)
+    base = {"model_cache_dir": str(default_model_dir.parent), "kv_recent_tokens": 16}
+    for overrides, words in (
+        ({}, "--kv-recent-tokens needs --kv-format int8 or int4"),
+        ({"kv_format": "int8", "kv_cache_mb": 0.5}, "not less than --kv-cache-mb"),
+        ({"kv_format": "int8", "model": str(tmp_path)}, "use --kv-recent-tokens 0"),
+    ):
+        engine = Engine(EngineConfig(**{**base, **overrides})).start()
+        try:
+            with pytest.raises(Exception, match=words) as info:
+                engine.wait_ready(120)
+            assert "\n" not in str(info.value)
+        finally:
+            engine.shutdown(5)

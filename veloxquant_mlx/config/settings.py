@@ -104,6 +104,14 @@ class Settings(BaseSettings):
         description="Values per scale and bias of --kv-format int8/int4: 32 or 64 (unset: 64 "
         "where it divides the model's head_dim, else 32).",
     )
+    kv_recent_tokens: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="With --kv-format int8/int4: each running request's newest N tokens are also "
+        "kept in the model's float type and attended from there (a residual window, as KIVI "
+        "does); the windows of --max-running requests are set aside from --kv-cache-mb.",
+    )
     ragged_attention: Literal["auto", "sdpa", "matmul"] = Field(
         "auto",
         description="Attention of a decode step whose rows sit at different positions: sdpa "

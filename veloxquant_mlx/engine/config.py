@@ -45,6 +45,9 @@ class EngineConfig:
     # Values per scale and bias of a quantized format (32 or 64); None: 64 where it divides
     # the model's head_dim, else 32.
     kv_group_size: int | None = None
+    # A quantized format's residual window: each row's newest tokens also kept in the model's
+    # float type (the windows of max_running rows are set aside from kv_cache_mb). 0: none.
+    kv_recent_tokens: int = 0
     # How a decode step whose rows sit at different positions attends (kv/attention.py):
     # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
     # (the measured best: matmul on a GPU, sdpa on a CPU).

@@ -6,7 +6,13 @@ quantizes the new token into its position, and attention reads the codes through
 ``mx.quantized_matmul`` (mlx_lm's quantized attention, which a ``StepCache`` with ``bits``
 selects). Cached pages keep the quantized span (a compressed page is cached and shared
 compressed); a prefill that starts from cached pages reads them dequantized, and the disk tier
-writes them as stored. Engine thread only.
+writes them as stored.
+
+With ``recent`` (``--kv-recent-tokens N``) each row also keeps its newest N tokens in the
+model's float type (KIVI's residual window), in a ring per row (position ``p`` in slot
+``p % N``): attention (``attend``, routed as the fused paged layout's is) reads positions
+before the window from the codes and the window from the ring, in one softmax. Engine thread
+only.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class QuantizedDenseKV(DenseKV):
         codec: KVCodec,
         block_size: int = 16,
         ragged: RaggedAttention | None = None,
+        recent: int = 0,
     ) -> None:
         if not codec.quantized:
             raise ValueError("QuantizedDenseKV takes a quantized codec")
@@ -40,6 +47,11 @@ class QuantizedDenseKV(DenseKV):
         self.qk: list[Stored] = []
         self.qv: list[Stored] = []
         self._geometry: tuple[int, int, int] | None = None  # kv heads, K width, V width
+        self.recent = recent
+        self.fused = recent > 0  # attention reads codes and ring through ``attend``
+        self.rk: list[mx.array] = []  # per layer [rows, kv_heads, recent, D]: the ring
+        self.rv: list[mx.array] = []
+        self._batch: StepBatch | None = None
 
     def _grow_to(self, rows: int, positions: int) -> None:
         assert self._geometry is not None
@@ -62,6 +74,16 @@ class QuantizedDenseKV(DenseKV):
                         f[: self.rows, :, : self.capacity] = o
                 grown.append(fresh)
             setattr(self, name, grown)
+        if self.recent:
+            for name, dim in (("rk", k_dim), ("rv", v_dim)):
+                old_ring: list[mx.array] = getattr(self, name)
+                rings = []
+                for layer in range(self.n_layers):
+                    ring = mx.zeros((new_rows, heads, self.recent, dim), dtype=self.codec.dtype)
+                    if old_ring:
+                        ring[: self.rows] = old_ring[layer]
+                    rings.append(ring)
+                setattr(self, name, rings)
         self.rows, self.capacity = new_rows, new_cap
 
     def put_row(
@@ -76,14 +98,24 @@ class QuantizedDenseKV(DenseKV):
             for dst, src in ((self.qk[layer], k), (self.qv[layer], v)):
                 for d, s in zip(dst, self.codec.encode(src), strict=True):
                     d[row : row + 1, :, :n] = s
+            if self.recent:  # the newest tokens into their ring slots (two runs at most)
+                start = max(0, n - self.recent)
+                for ring, src in ((self.rk[layer], k), (self.rv[layer], v)):
+                    p = start
+                    while p < n:
+                        slot = p % self.recent
+                        m = min(n - p, self.recent - slot)
+                        ring[row : row + 1, :, slot : slot + m] = src[:, :, p : p + m]
+                        p += m
 
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
+        self._batch = batch
         if self.qk:
             self._grow_to(len(batch.positions_list), batch.width + 1)
 
     def write_read(  # type: ignore[override]
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
-    ) -> tuple[Stored, Stored]:
+    ) -> tuple[Any, Any]:
         rows = keys.shape[0]
         w = batch.read_width
         out = []
@@ -99,7 +131,47 @@ class QuantizedDenseKV(DenseKV):
                 for d, s in zip(dst, new, strict=True):
                     d[r, h, p] = s[:, :, 0, :]
             out.append(tuple(d[:rows, :, :w] for d in dst))
+        if self.recent:
+            for ring, src in ((self.rk[layer], keys), (self.rv[layer], values)):
+                if batch.uniform:
+                    slot = (batch.width - 1) % self.recent
+                    ring[:rows, :, slot : slot + 1] = src
+                else:
+                    r, h = batch.scatter_index(keys.shape[1])
+                    ring[r, h, (batch.positions % self.recent)[:, None]] = src[:, :, 0, :]
+            return keys, values  # the new token only: ``attend`` reads the rest
         return out[0], out[1]
+
+    def attend(
+        self, layer: int, queries: mx.array, keys: Any, values: Any, scale: float
+    ) -> mx.array:
+        """A step's attention with a residual window: each row's positions before its last
+        ``recent`` from the codes, the window from the ring, one softmax over both. ``queries``
+        [rows, heads, 1, D]; the new token is in place already (``write_read``)."""
+        batch = self._batch
+        assert batch is not None
+        rows, n_heads, _, dim = queries.shape
+        n_kv = self.rk[layer].shape[1]
+        group, bits = self.codec.group_size, self.codec.bits
+        w = batch.width
+        lengths = (batch.positions + 1)[:, None]  # [rows, 1]
+        kw, ks, kb = (mx.expand_dims(p[:rows, :, :w], 2) for p in self.qk[layer])
+        vw, vs, vb = (mx.expand_dims(p[:rows, :, :w], 2) for p in self.qv[layer])
+        ring_k = mx.expand_dims(self.rk[layer][:rows], 2)  # [rows, kv, 1, recent, D]
+        ring_v = mx.expand_dims(self.rv[layer][:rows], 2)
+        q = (queries * mx.array(scale, queries.dtype)).reshape(rows, n_kv, n_heads // n_kv, 1, dim)
+        old = mx.quantized_matmul(q, kw, ks, kb, transpose=True, group_size=group, bits=bits)
+        new = q @ ring_k.swapaxes(-1, -2)
+        floor = mx.array(mx.finfo(old.dtype).min, old.dtype)
+        old_mask = mx.arange(w)[None, :] < lengths - self.recent  # before the window
+        new_mask = mx.arange(self.recent)[None, :] < lengths  # filled ring slots
+        old = mx.where(old_mask[:, None, None, None, :], old, floor)
+        new = mx.where(new_mask[:, None, None, None, :], new.astype(old.dtype), floor)
+        weights = mx.softmax(mx.concatenate([old, new], axis=-1), axis=-1, precise=True)
+        out = mx.quantized_matmul(
+            weights[..., :w], vw, vs, vb, transpose=False, group_size=group, bits=bits
+        ) + (weights[..., w:].astype(ring_v.dtype) @ ring_v)
+        return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
 
     def encode_span(self, x: mx.array) -> Stored:
         """What a cached page keeps of a prefill's KV ``x`` (a view): its quantized form."""
@@ -136,9 +208,43 @@ class QuantizedDenseKV(DenseKV):
             for k, v in zip(self.qk, self.qv, strict=True)
         ]
 
+    def window_bytes(self, rows: int) -> int:
+        """Bytes the residual windows of ``rows`` rows take (0 without a window)."""
+        if not self.recent or self._geometry is None:
+            return 0
+        heads, k_dim, v_dim = self._geometry
+        per_row = self.n_layers * heads * (k_dim + v_dim) * self.recent * self.codec.dtype.size
+        return rows * per_row
+
     def clear(self) -> None:
-        self.qk, self.qv = [], []
+        self.qk, self.qv, self.rk, self.rv = [], [], [], []
         self.rows = self.capacity = 0
 
     def nbytes(self) -> int:
-        return sum(p.nbytes for stored in (*self.qk, *self.qv) for p in stored)
+        rings = sum(a.nbytes for a in (*self.rk, *self.rv))
+        return rings + sum(p.nbytes for stored in (*self.qk, *self.qv) for p in stored)
+
+
+def window_unreached(model: Any, n_layers: int, heads: int, head_dim: int, kv: Any) -> list[int]:
+    """The layers whose attention would not reach ``kv.attend`` in a step of ``model`` (after
+    ``kv.attention.install``): one one-row step's graph, built and never evaluated. All of
+    them where the step cannot be built (sliding windows, sinks)."""
+    from veloxquant_mlx.kv.step import StepCache
+
+    zeros = mx.zeros((1, heads, 2, head_dim), dtype=kv.codec.dtype)
+    kv.put_row(0, [(zeros, zeros)] * n_layers, None)
+    batch = kv.step_batch([2])
+    kv.begin_step(batch, 0)
+    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
+    try:
+        model(mx.array([[0]]), cache=caches)
+    except (ValueError, TypeError, IndexError):
+        return list(range(n_layers))
+    finally:
+        kv.clear()
+    return [c.layer for c in caches if not c.attended]
+
+
+def ring_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recent: int) -> int:
+    """Bytes one row's residual window takes (K and V of every layer, the model's type)."""
+    return 2 * n_layers * heads * head_dim * recent * codec.dtype.size

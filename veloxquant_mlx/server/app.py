@@ -52,6 +52,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_layout=settings.kv_layout,
         kv_format=settings.kv_format,
         kv_group_size=settings.kv_group_size,
+        kv_recent_tokens=settings.kv_recent_tokens,
         ragged_attention=settings.ragged_attention,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,

@@ -142,6 +142,8 @@ class EngineCollector(Collector):
                 labels=["format"],
             )
             used.add_metric([fmt], pstats.blocks_in_use() * per_block)
+            if stats.kv_window_format:  # --kv-recent-tokens: the windows, beside the blocks
+                used.add_metric([stats.kv_window_format], stats.kv_window_bytes)
             yield used
             yield _gauge(
                 "veloxquant_kv_cache_capacity_bytes",

@@ -60,6 +60,7 @@ def snapshot_of(
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
         kv_format=sched.kv_format,
+        **_window(runner),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
@@ -95,3 +96,13 @@ class Inbox:
             self.adds.clear()
             self.commands.clear()
         return adds, commands
+
+
+def _window(runner: Runner) -> dict[str, Any]:
+    """The residual windows' format and bytes (a quantized layout with --kv-recent-tokens)."""
+    kv: Any = runner.kv
+    if not getattr(kv, "recent", 0):
+        return {}
+    rows = sum(1 for r in runner.rows if r is not None)
+    dtype = str(kv.codec.dtype).rsplit(".", 1)[-1]
+    return {"kv_window_format": dtype, "kv_window_bytes": kv.window_bytes(rows)}

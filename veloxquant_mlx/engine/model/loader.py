@@ -24,6 +24,7 @@ from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
+from veloxquant_mlx.kv.quantized import ring_bytes, window_unreached
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -246,6 +247,33 @@ def disk_tier(
     return tier
 
 
+def window_budget(cfg: EngineConfig, geometry: KVGeometry, codec: KVCodec) -> float | None:
+    """``--kv-cache-mb`` less the residual windows of ``--max-running`` rows (they are kept
+    beside the pool's blocks, in the model's type: ``kv.quantized``).
+
+    Raises:
+        ValueError: A window without a quantized format, or windows larger than the budget.
+    """
+    recent = cfg.kv_recent_tokens
+    if not recent:
+        return cfg.kv_cache_mb
+    if not codec.quantized:
+        raise ValueError("--kv-recent-tokens needs --kv-format int8 or int4")
+    per_row = ring_bytes(
+        geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent
+    )
+    windows_mb = cfg.max_running * per_row / 2**20
+    if cfg.kv_cache_mb is None:  # an explicit block count: the windows come on top
+        return None
+    if windows_mb >= cfg.kv_cache_mb:
+        raise ValueError(
+            f"--kv-recent-tokens {recent}: the windows of --max-running {cfg.max_running} "
+            f"requests take {windows_mb:.1f} MiB, not less than --kv-cache-mb "
+            f"{cfg.kv_cache_mb:g}"
+        )
+    return cfg.kv_cache_mb - windows_mb
+
+
 def build_runtime(cfg: EngineConfig) -> Runtime:
     """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
@@ -261,10 +289,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
     kv_codec.check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim)
+    budget_mb = window_budget(cfg, geometry, codec)
     sizing = pool_config(
         geometry,
         block_size=cfg.block_size,
-        kv_cache_mb=cfg.kv_cache_mb,
+        kv_cache_mb=budget_mb,
         n_blocks=cfg.n_blocks,
         separate_kv=cfg.separate_kv,
         grow_on_exhaustion=cfg.grow_on_exhaustion,
@@ -292,7 +321,27 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
     if ragged.mode == "matmul":  # (fused_attention installed it already for a fused layout)
         attention.install(model)
-    kv = make_kv(layout, geometry.n_layers_total, cfg.block_size, n_blocks, ragged, fused, codec)
+    kv = make_kv(
+        layout,
+        geometry.n_layers_total,
+        cfg.block_size,
+        n_blocks,
+        ragged,
+        fused,
+        codec,
+        cfg.kv_recent_tokens,
+    )
+    if cfg.kv_recent_tokens:  # the window's attention is routed (kv.quantized.attend)
+        attention.install(model)
+        missing = window_unreached(
+            model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv
+        )
+        if missing:
+            raise ValueError(
+                f"--kv-recent-tokens: this model's attention in layers {missing} does not go "
+                "through mlx_lm's scaled_dot_product_attention (or uses sliding windows or "
+                "sinks); use --kv-recent-tokens 0"
+            )
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     runner = Runner(model, kv, vocab_size, cfg.block_size)
     scheduler = Scheduler(
@@ -319,7 +368,13 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         cfg.block_size,
         per_block,
         n_blocks * per_block / 2**20,
-        codec.name + (f" (group {codec.group_size})" if codec.quantized else ""),
+        codec.name
+        + (f" (group {codec.group_size})" if codec.quantized else "")
+        + (
+            f", newest {cfg.kv_recent_tokens} tokens in full precision"
+            if cfg.kv_recent_tokens
+            else ""
+        ),
         layout + (" (fused attention)" if fused else ""),
         ragged.label,
         "on" if cfg.prefix_caching else "off",
