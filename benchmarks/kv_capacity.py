@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--formats", default="auto,int8,int4")
     p.add_argument("--server-args", default="", help="more flags for our server")
+    p.add_argument(
+        "--recent", type=int, default=0, help="--kv-recent-tokens for the quantized formats"
+    )
     p.add_argument("--out", default="kv-capacity")
     a = p.parse_args()
     out = Path(a.out)
@@ -126,16 +129,20 @@ def main() -> None:
         f"budget {budget_mb:.2f} MiB: {a.n} requests of {tokens} tokens in full precision "
         f"({per_request / 2**20:.3f} MiB each)"
     )
-    print("| format | requests at once | ran at once | completed in full | preempted | tok/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| format | window | requests at once | ran at once | completed in full | preempted "
+        "| tok/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for fmt in a.formats.split(","):
-        port, ctx = serve(a.model_path, fmt, budget_mb, extra, out / f"{fmt}.log")
+        window = ["--kv-recent-tokens", str(a.recent)] if a.recent and fmt != "auto" else []
+        port, ctx = serve(a.model_path, fmt, budget_mb, extra + window, out / f"{fmt}.log")
         with ctx:
             for m in sorted({a.n, math.ceil(1.8 * a.n), 3 * a.n}):
                 r = asyncio.run(burst(f"http://127.0.0.1:{port}", prompts(m), a.max_tokens))
                 print(
-                    f"| {fmt} | {m} | {r['peak']} | {r['full']} | {r['preempted']} | "
-                    f"{r['tok_s']:.0f} |",
+                    f"| {fmt} | {window[1] if window else 0} | {m} | {r['peak']} | "
+                    f"{r['full']} | {r['preempted']} | {r['tok_s']:.0f} |",
                     flush=True,
                 )
 
