@@ -4,6 +4,7 @@ compressed pages, and the refusals."""
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 
@@ -325,35 +326,38 @@ def test_a_residual_window_attends_over_full_precision_recent_tokens(default_mod
         assert mx.allclose(ours[slot], expected, atol=1e-4).item(), slot
 
 
-def test_a_residual_window_serves_and_is_accounted(make_engine):
-    """int4 with a 16-token window: rows join and leave, every request completes, the
-    windows' bytes show beside the blocks while rows run, and the budget set them aside."""
-    plain = make_engine(kv_cache_mb=8, kv_format="int4", max_running=4)
+def test_a_residual_window_serves_and_is_accounted_in_the_pool(make_engine):
+    """int4 with a 16-token window: rows join and leave and every request completes; while a
+    row runs the pool holds its window as blocks tagged with the model's type beside its int4
+    blocks (mixed formats in one pool), and they are counted in the snapshot."""
     engine = make_engine(kv_cache_mb=8, kv_format="int4", max_running=4, kv_recent_tokens=16)
-    # the embedded model: 4 layers x 4 KV heads x 32 x 2 (K, V) x 16 tokens x 4 bytes per row
-    per_row = 4 * 4 * 32 * 2 * 16 * 4
-    saved = (plain.pool.stats.n_blocks - engine.pool.stats.n_blocks) * engine.kv_bytes_per_block
-    assert abs(saved - 4 * per_row) <= engine.kv_bytes_per_block
+    # per stream, the embedded model's window: 4 layers x 4 KV heads x 32 x 16 tokens x 4 bytes
+    # (32 KiB), in blocks of int4's 16 tokens x 4 heads x (16 + 8) bytes: 22 (rounded up)
+    window = -(-(4 * 4 * 32 * 16 * 4) // engine.kv_bytes_per_block)
+    assert engine.kv_bytes_per_block == 16 * 4 * 24 and window == 22
     rng = random.Random(9)
     prompts = [tuple(rng.randrange(3, 2000) for _ in range(n)) for n in (5, 40, 18, 9, 33, 26)]
     handles = [engine.submit(GenerationRequest(p, 24, GREEDY)) for p in prompts]
-    seen = 0
+    seen, formats = 0, collections.Counter()
     while not all(h.done for h in handles):
         stats = engine.stats()
         if stats.running:
             assert stats.kv_window_format == "float32"
-            seen = max(seen, stats.kv_window_bytes)
+            seen = max(seen, stats.kv_window_blocks)
+        for owner in engine.pool.owner_block_counts():
+            formats.update(b.format for b in engine.pool.blocks_for(owner))
         time.sleep(0.002)
     for h in handles:
         tokens, finish = h.collect(120)
         assert finish.finish_reason == "length" and len(tokens) == 24
-    assert seen >= per_row and seen % per_row == 0
+    assert seen >= 2 * window and seen % (2 * window) == 0
+    assert set(formats) == {"int4", "float32"}
     wait_idle(engine)
 
 
 def test_a_window_is_refused_where_it_cannot_work(default_model_dir, tmp_path):
-    """Without a quantized format, larger than the budget, and for a model with
-    sliding-window layers: refused at start, one line each."""
+    """Without a quantized format, a window the pool cannot hold with one request, and a
+    model with sliding-window layers: refused at start, one line each."""
     import json
     import shutil
 
@@ -375,7 +379,7 @@ def test_a_window_is_refused_where_it_cannot_work(default_model_dir, tmp_path):
     base = {"model_cache_dir": str(default_model_dir.parent), "kv_recent_tokens": 16}
     for overrides, words in (
         ({}, "--kv-recent-tokens needs --kv-format int8 or int4"),
-        ({"kv_format": "int8", "kv_cache_mb": 0.5}, "not less than --kv-cache-mb"),
+        ({"kv_format": "int8", "kv_cache_mb": 0.05}, "cannot hold even one request"),
         ({"kv_format": "int8", "model": str(tmp_path)}, "use --kv-recent-tokens 0"),
     ):
         engine = Engine(EngineConfig(**{**base, **overrides})).start()

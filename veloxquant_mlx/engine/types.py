@@ -201,7 +201,7 @@ class StepSnapshot:
     kv_layout: str = ""  # "paged" or "dense" (kv.paged)
     kv_format: str = ""  # what the blocks hold: the model's float type, "int8" or "int4"
     kv_window_format: str = ""  # the residual windows' (--kv-recent-tokens): the float type
-    kv_window_bytes: int = 0  # what the running rows' windows take
+    kv_window_blocks: int = 0  # pool blocks the running rows' windows hold (in blocks_in_use)
     ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
     prefix_caching: bool = False

@@ -208,14 +208,6 @@ class QuantizedDenseKV(DenseKV):
             for k, v in zip(self.qk, self.qv, strict=True)
         ]
 
-    def window_bytes(self, rows: int) -> int:
-        """Bytes the residual windows of ``rows`` rows take (0 without a window)."""
-        if not self.recent or self._geometry is None:
-            return 0
-        heads, k_dim, v_dim = self._geometry
-        per_row = self.n_layers * heads * (k_dim + v_dim) * self.recent * self.codec.dtype.size
-        return rows * per_row
-
     def clear(self) -> None:
         self.qk, self.qv, self.rk, self.rv = [], [], [], []
         self.rows = self.capacity = 0

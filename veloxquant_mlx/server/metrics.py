@@ -134,16 +134,19 @@ class EngineCollector(Collector):
                 "Pool blocks checked out, by the format they hold (--kv-format).",
                 labels=["format"],
             )
-            blocks.add_metric([fmt], pstats.blocks_in_use())
+            window = stats.kv_window_blocks  # --kv-recent-tokens: blocks in the model's type
+            blocks.add_metric([fmt], pstats.blocks_in_use() - window)
+            if stats.kv_window_format:
+                blocks.add_metric([stats.kv_window_format], window)
             yield blocks
             used = GaugeMetricFamily(
                 "veloxquant_kv_format_bytes",
                 "KV bytes checked out, by the format the blocks hold (--kv-format).",
                 labels=["format"],
             )
-            used.add_metric([fmt], pstats.blocks_in_use() * per_block)
-            if stats.kv_window_format:  # --kv-recent-tokens: the windows, beside the blocks
-                used.add_metric([stats.kv_window_format], stats.kv_window_bytes)
+            used.add_metric([fmt], (pstats.blocks_in_use() - window) * per_block)
+            if stats.kv_window_format:
+                used.add_metric([stats.kv_window_format], window * per_block)
             yield used
             yield _gauge(
                 "veloxquant_kv_cache_capacity_bytes",

@@ -17,6 +17,7 @@ class BlockMath:
 
     pool: BlockPoolAllocator
     n_layers: int
+    window: int = 0  # blocks of each stream a row's residual window takes (--kv-recent-tokens)
 
     @property
     def block_size(self) -> int:
@@ -70,5 +71,5 @@ class BlockMath:
         return total
 
     def _fits(self, n_tokens: int, totals: dict[str, int]) -> bool:
-        need = self.per_stream(self.n_layers * self.blocks_for(n_tokens))
+        need = self.per_stream(self.n_layers * self.blocks_for(n_tokens) + self.window)
         return all(need <= t for t in totals.values())

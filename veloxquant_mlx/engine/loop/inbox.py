@@ -60,7 +60,7 @@ def snapshot_of(
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
         kv_format=sched.kv_format,
-        **_window(runner),
+        **_window(runner, sched),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
@@ -98,11 +98,9 @@ class Inbox:
         return adds, commands
 
 
-def _window(runner: Runner) -> dict[str, Any]:
-    """The residual windows' format and bytes (a quantized layout with --kv-recent-tokens)."""
-    kv: Any = runner.kv
-    if not getattr(kv, "recent", 0):
+def _window(runner: Runner, sched: Scheduler) -> dict[str, Any]:
+    """The residual windows' format and the blocks they hold (--kv-recent-tokens)."""
+    if not sched.window_blocks:
         return {}
-    rows = sum(1 for r in runner.rows if r is not None)
-    dtype = str(kv.codec.dtype).rsplit(".", 1)[-1]
-    return {"kv_window_format": dtype, "kv_window_bytes": kv.window_bytes(rows)}
+    return {"kv_window_format": sched.window_format,
+            "kv_window_blocks": sched.window_blocks_in_use()}  # fmt: skip

@@ -128,11 +128,13 @@ class Scheduler:
         idle_prefill_budget: int = 2048,
         answers_up_to: int | None = None,
         kv_format: str = "fp16",
+        window_blocks: int = 0,
+        window_format: str = "",
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
         self.n_layers = n_layers
-        self.blocks = BlockMath(pool, n_layers)
+        self.blocks = BlockMath(pool, n_layers, window_blocks)
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
@@ -143,6 +145,10 @@ class Scheduler:
         # (the scheduler runs no MLX).
         self.answers_up_to = answers_up_to
         self.kv_format = kv_format  # the format tag the pool records on blocks (kv.codec)
+        # A row's residual window (--kv-recent-tokens), kept by the layout in the model's
+        # type: this many blocks of each stream, tagged ``window_format``, held while it runs.
+        self.window_blocks = window_blocks
+        self.window_format = window_format
         self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
         # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set):
         # (tokens, first page, its parent's digest, pages at most) -> (pages, their KV).
@@ -288,7 +294,9 @@ class Scheduler:
             free = self._free_now() - self.blocks.per_stream(
                 self.n_layers * sum(1 for p in hits if p.refs == 0)
             )
-            need = self.blocks.per_stream(self.n_layers * (self.blocks.blocks_for(n) - len(hits)))
+            need = self.blocks.per_stream(
+                self.n_layers * (self.blocks.blocks_for(n) - len(hits)) + self.window_blocks
+            )
             if self.running and free - need < reserve:
                 break  # FIFO for memory: nobody overtakes the head
             if not self._take(head, hits, n):
@@ -332,6 +340,28 @@ class Scheduler:
         prefix = seq.tokens[:b]
         return any(not other.decoding and other.tokens[:b] == prefix for other in self.running)
 
+    def _take_window(self, seq: Seq) -> bool:
+        """The blocks ``seq``'s residual window takes (in the model's type, while it runs);
+        False if the pool cannot give them (the caller frees what ``seq`` holds)."""
+        if not self.window_blocks:
+            return True
+        self._evict_for(self.window_blocks)
+        try:
+            for stream in STREAMS:
+                self.pool.allocate(
+                    stream,
+                    self.window_blocks * self.blocks.block_size,
+                    seq.request_id,
+                    self.window_format,
+                )
+        except BlockPoolExhaustedError:
+            return False
+        return True
+
+    def window_blocks_in_use(self) -> int:
+        """Blocks the running rows' windows hold (both streams)."""
+        return 2 * self.window_blocks * len(self.running)
+
     def _hits(self, seq: Seq) -> list[Any]:
         """The cached pages ``seq``'s tokens start with, leaving at least its last token to
         prefill (its logits sample the next one)."""
@@ -348,11 +378,12 @@ class Scheduler:
             assert cache is not None
             cache.acquire(hits)
             seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
-        if not self.grow(seq, n_tokens):
+        if not self.grow(seq, n_tokens) or not self._take_window(seq):
+            self.pool.free_all(seq.request_id)
             if hits:
                 assert cache is not None
                 cache.release(hits)
-                seq.table = []
+            seq.table = []
             return False  # counted when it is admitted, not at every try
         if cache is None:
             return True

@@ -247,31 +247,24 @@ def disk_tier(
     return tier
 
 
-def window_budget(cfg: EngineConfig, geometry: KVGeometry, codec: KVCodec) -> float | None:
-    """``--kv-cache-mb`` less the residual windows of ``--max-running`` rows (they are kept
-    beside the pool's blocks, in the model's type: ``kv.quantized``).
+def window_blocks(cfg: EngineConfig, geometry: KVGeometry, codec: KVCodec) -> int:
+    """Pool blocks of each stream one row's residual window takes: its ``--kv-recent-tokens``
+    tokens of every layer in the model's type (``kv.quantized``), in blocks of the quantized
+    format's bytes, rounded up. A row holds them while it runs (mixed formats in one pool).
 
     Raises:
-        ValueError: A window without a quantized format, or windows larger than the budget.
+        ValueError: A window without a quantized format.
     """
     recent = cfg.kv_recent_tokens
     if not recent:
-        return cfg.kv_cache_mb
+        return 0
     if not codec.quantized:
         raise ValueError("--kv-recent-tokens needs --kv-format int8 or int4")
-    per_row = ring_bytes(
-        geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent
+    per_stream = (
+        ring_bytes(geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent)
+        // 2
     )
-    windows_mb = cfg.max_running * per_row / 2**20
-    if cfg.kv_cache_mb is None:  # an explicit block count: the windows come on top
-        return None
-    if windows_mb >= cfg.kv_cache_mb:
-        raise ValueError(
-            f"--kv-recent-tokens {recent}: the windows of --max-running {cfg.max_running} "
-            f"requests take {windows_mb:.1f} MiB, not less than --kv-cache-mb "
-            f"{cfg.kv_cache_mb:g}"
-        )
-    return cfg.kv_cache_mb - windows_mb
+    return -(-per_stream // geometry.bytes_per_block(cfg.block_size, codec))
 
 
 def build_runtime(cfg: EngineConfig) -> Runtime:
@@ -289,11 +282,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
     kv_codec.check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim)
-    budget_mb = window_budget(cfg, geometry, codec)
+    window = window_blocks(cfg, geometry, codec)
     sizing = pool_config(
         geometry,
         block_size=cfg.block_size,
-        kv_cache_mb=budget_mb,
+        kv_cache_mb=cfg.kv_cache_mb,
         n_blocks=cfg.n_blocks,
         separate_kv=cfg.separate_kv,
         grow_on_exhaustion=cfg.grow_on_exhaustion,
@@ -307,9 +300,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     pool = BlockPoolAllocator(sizing)
     per_block = geometry.bytes_per_block(cfg.block_size, codec)
     n_blocks = pool.stats.n_blocks
-    blocks = BlockMath(pool, geometry.n_layers_total)
+    blocks = BlockMath(pool, geometry.n_layers_total, window)
     if not blocks.could_ever_fit(cfg.min_request_tokens):
-        per_request = 2 * blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens)
+        per_request = 2 * (blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens) + window)
         raise ValueError(
             f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
             f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "
@@ -355,6 +348,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         idle_prefill_budget=cfg.idle_prefill_budget,
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
         kv_format=codec.name,
+        window_blocks=window,
+        window_format=geometry.dtype,
     )
     scheduler.row_pages = runner.row_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
