@@ -235,10 +235,8 @@ def test_rows_preempted_from_a_quantized_pool_come_back_and_finish(make_engine):
     wait_idle(engine)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama_sliding"])
-def test_other_attention_kinds_serve_quantized(tmp_path, arch):
-    """q/k norms (qwen3) and sliding-window layers (their masks go to the quantized attention):
-    served in int8 alongside each other, every request completes, nothing leaks."""
+def write_arch_model(arch: str, target) -> None:
+    """A random-weight model of ``tests.engine.test_layouts.ARCHS[arch]`` in ``target``."""
     import json
     import shutil
 
@@ -252,12 +250,17 @@ def test_other_attention_kinds_serve_quantized(tmp_path, arch):
     model_class, args_class = _get_classes(config)
     mx.random.seed(7)
     model = model_class(args_class.from_dict(config))
-    mx.save_safetensors(
-        str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())), {}
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (target / "config.json").write_text(json.dumps(config))
     for name in TOKENIZER_FILES:
-        shutil.copyfile(ASSETS / name, tmp_path / name)
+        shutil.copyfile(ASSETS / name, target / name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_sliding"])
+def test_other_attention_kinds_serve_quantized(tmp_path, arch):
+    """q/k norms (qwen3) and sliding-window layers (their masks go to the quantized attention):
+    served in int8 alongside each other, every request completes, nothing leaks."""
+    write_arch_model(arch, tmp_path)
     engine = Engine(
         EngineConfig(model=str(tmp_path), kv_cache_mb=8, kv_format="int8", max_running=3)
     ).start()
@@ -358,24 +361,7 @@ def test_a_residual_window_serves_and_is_accounted_in_the_pool(make_engine):
 def test_a_window_is_refused_where_it_cannot_work(default_model_dir, tmp_path):
     """Without a quantized format, a window the pool cannot hold with one request, and a
     model with sliding-window layers: refused at start, one line each."""
-    import json
-    import shutil
-
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from tests.engine.test_layouts import ARCHS
-    from veloxquant_mlx.engine.model.default_model import ASSETS, CONFIG, TOKENIZER_FILES
-
-    config = {**CONFIG, **ARCHS["llama_sliding"]}
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    mx.save_safetensors(
-        str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())), {}
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(ASSETS / name, tmp_path / name)
+    write_arch_model("llama_sliding", tmp_path)
     base = {"model_cache_dir": str(default_model_dir.parent), "kv_recent_tokens": 16}
     for overrides, words in (
         ({}, "--kv-recent-tokens needs --kv-format int8 or int4"),

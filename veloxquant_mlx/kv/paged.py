@@ -32,7 +32,7 @@ from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.codec import KVCodec, Stored
 from veloxquant_mlx.kv.dense import ROW_CHUNK, DenseKV
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV
-from veloxquant_mlx.kv.step import StepBatch
+from veloxquant_mlx.kv.step import StepBatch, unreached_layers
 
 
 class PagedKV:
@@ -342,18 +342,10 @@ def fused_unreached(
     model: Any, n_layers: int, heads: int, head_dim: int, block_size: int
 ) -> list[int]:
     """The layers whose attention would not reach ``PagedKV.attend`` in a fused step of
-    ``model`` (after ``kv.attention.install``): one one-row step's graph, built and never
-    evaluated. All of them if the step cannot be built (sliding windows, sinks, odd shapes)."""
-    from veloxquant_mlx.kv.step import StepCache
-
+    ``model`` (``kv.step.unreached_layers`` over a one-row step)."""
     kv = PagedKV(n_layers, block_size, 2 * n_layers, fused=True)
     zeros = mx.zeros((1, heads, 1, head_dim))
     kv.put_row(0, [(zeros, zeros)] * n_layers, [[i] for i in range(2 * n_layers)])
     batch = StepBatch([1])
     kv.begin_step(batch, 2 * n_layers - 1)
-    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
-    try:
-        model(mx.array([[0]]), cache=caches)
-    except (ValueError, TypeError, IndexError):
-        return list(range(n_layers))
-    return [c.layer for c in caches if not c.attended]
+    return unreached_layers(model, kv, batch, n_layers)

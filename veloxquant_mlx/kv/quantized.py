@@ -24,7 +24,7 @@ import mlx.core as mx
 from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.codec import KVCodec, Stored, join_spans, slice_span
 from veloxquant_mlx.kv.dense import ROW_CHUNK, SLOT_CHUNK, DenseKV
-from veloxquant_mlx.kv.step import StepBatch
+from veloxquant_mlx.kv.step import StepBatch, unreached_layers
 
 
 class QuantizedDenseKV(DenseKV):
@@ -218,25 +218,19 @@ class QuantizedDenseKV(DenseKV):
 
 
 def window_unreached(model: Any, n_layers: int, heads: int, head_dim: int, kv: Any) -> list[int]:
-    """The layers whose attention would not reach ``kv.attend`` in a step of ``model`` (after
-    ``kv.attention.install``): one one-row step's graph, built and never evaluated. All of
-    them where the step cannot be built (sliding windows, sinks)."""
-    from veloxquant_mlx.kv.step import StepCache
-
+    """The layers whose attention would not reach ``kv.attend`` (a window's) in a step of
+    ``model`` (``kv.step.unreached_layers`` over a one-row step; ``kv`` is left empty)."""
     zeros = mx.zeros((1, heads, 2, head_dim), dtype=kv.codec.dtype)
     kv.put_row(0, [(zeros, zeros)] * n_layers, None)
     batch = kv.step_batch([2])
     kv.begin_step(batch, 0)
-    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
     try:
-        model(mx.array([[0]]), cache=caches)
-    except (ValueError, TypeError, IndexError):
-        return list(range(n_layers))
+        return unreached_layers(model, kv, batch, n_layers)
     finally:
         kv.clear()
-    return [c.layer for c in caches if not c.attended]
 
 
-def ring_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recent: int) -> int:
-    """Bytes one row's residual window takes (K and V of every layer, the model's type)."""
-    return 2 * n_layers * heads * head_dim * recent * codec.dtype.size
+def window_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recent: int) -> int:
+    """Bytes one row's residual window takes in one stream (K, or V, of every layer, in the
+    model's type)."""
+    return n_layers * heads * head_dim * recent * codec.dtype.size

@@ -82,6 +82,19 @@ class StepBatch:
         return index
 
 
+def unreached_layers(model: Any, kv: Any, batch: StepBatch, n_layers: int) -> list[int]:
+    """The layers whose attention would not reach ``kv.attend`` in a step of ``model`` over
+    ``kv`` (a fused layout with a row put in, ``begin_step`` done; after
+    ``kv.attention.install``): the step's graph, built and never evaluated. All of them where
+    the step cannot be built (sliding windows, sinks, odd shapes)."""
+    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
+    try:
+        model(mx.array([[0]]), cache=caches)
+    except (ValueError, TypeError, IndexError):
+        return list(range(n_layers))
+    return [c.layer for c in caches if not c.attended]
+
+
 class StepCache:
     """The mlx_lm cache protocol for one layer in one decode step (one new token per row)."""
 

@@ -60,7 +60,7 @@ def snapshot_of(
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
         kv_format=sched.kv_format,
-        **_window(runner, sched),
+        **_window(sched),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
@@ -98,7 +98,7 @@ class Inbox:
         return adds, commands
 
 
-def _window(runner: Runner, sched: Scheduler) -> dict[str, Any]:
+def _window(sched: Scheduler) -> dict[str, Any]:
     """The residual windows' format and the blocks they hold (--kv-recent-tokens)."""
     if not sched.window_blocks:
         return {}

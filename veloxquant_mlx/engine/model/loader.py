@@ -24,7 +24,7 @@ from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
-from veloxquant_mlx.kv.quantized import ring_bytes, window_unreached
+from veloxquant_mlx.kv.quantized import window_bytes, window_unreached
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -190,13 +190,18 @@ def fused_attention(
     missing = fused_unreached(
         model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, block_size
     )
+    require_routed(missing, "--paged-attention fused", "--paged-attention gather")
+    return True
+
+
+def require_routed(missing: list[int], flag: str, instead: str) -> None:
+    """Refuse ``flag`` (one line naming ``instead``) where some layers' attention does not
+    reach the layout's own (``missing``: ``kv.step.unreached_layers``)."""
     if missing:
         raise ValueError(
-            f"--paged-attention fused: this model's attention in layers {missing} does not go "
-            "through mlx_lm's scaled_dot_product_attention (or uses sliding windows or "
-            "sinks); use --paged-attention gather"
+            f"{flag}: this model's attention in layers {missing} does not go through mlx_lm's "
+            f"scaled_dot_product_attention (or uses sliding windows or sinks); use {instead}"
         )
-    return True
 
 
 def disk_tier(
@@ -260,9 +265,8 @@ def window_blocks(cfg: EngineConfig, geometry: KVGeometry, codec: KVCodec) -> in
         return 0
     if not codec.quantized:
         raise ValueError("--kv-recent-tokens needs --kv-format int8 or int4")
-    per_stream = (
-        ring_bytes(geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent)
-        // 2
+    per_stream = window_bytes(
+        geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent
     )
     return -(-per_stream // geometry.bytes_per_block(cfg.block_size, codec))
 
@@ -329,12 +333,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         missing = window_unreached(
             model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv
         )
-        if missing:
-            raise ValueError(
-                f"--kv-recent-tokens: this model's attention in layers {missing} does not go "
-                "through mlx_lm's scaled_dot_product_attention (or uses sliding windows or "
-                "sinks); use --kv-recent-tokens 0"
-            )
+        require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     runner = Runner(model, kv, vocab_size, cfg.block_size)
     scheduler = Scheduler(
