@@ -275,9 +275,10 @@ def main() -> None:
     )
     p.add_argument(
         "--variant",
-        default="",
-        help="extra server flags for a second run of each layout (ours-LAYOUT-b), e.g. "
-        "'--gil-switch-interval-ms 1'",
+        action="append",
+        default=[],
+        help="extra server flags for one more run of each layout (ours-LAYOUT-b, then -c, ... "
+        "when repeated), e.g. '--gil-switch-interval-ms 1'",
     )
     p.add_argument(
         "--prefix-off-too",
@@ -334,14 +335,14 @@ def main() -> None:
                                             max_tokens)  # fmt: skip
             print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
     extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
-    if a.variant:
-        extras.append(a.variant.split())
+    suffixes = ["", "-nopc"][: len(extras)]
+    for i, variant in enumerate(a.variant):
+        extras.append(variant.split())
+        suffixes.append("-" + chr(ord("b") + i))
     layouts = a.layouts.split(",") if a.layouts else []
-    variants = [(layout, extra) for layout in layouts for extra in extras]
-    for layout, extra in variants:
-        name = f"ours-{layout}" + (
-            "" if not extra else "-nopc" if extra[0].startswith("--no-p") else "-b"
-        )
+    variants = [(layout, x) for layout in layouts for x in zip(extras, suffixes, strict=True)]
+    for layout, (extra, suffix) in variants:
+        name = f"ours-{layout}{suffix}"
         port = free_port()
         cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path), "--port",
                str(port), *layout_flags(layout), "--blas", a.blas, "--max-running", "256",
@@ -360,6 +361,7 @@ def main() -> None:
             cmd, port, str(path), levels, {"greedy": lt}, requests, out / "mlx_lm.log"
         )["greedy"]
     lines = report(results, levels)
+    lines += [f"ours-LAYOUT{x}: {' '.join(e)}" for e, x in zip(extras, suffixes, strict=True) if e]
     if a.peak_gbs:
         context = a.prompt_tokens + a.shared_prefix_tokens + (max_tokens[0] + max_tokens[1]) / 4
         lines += ["", *roofline(results, path, levels, a.peak_gbs, context)]
