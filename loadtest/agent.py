@@ -90,18 +90,36 @@ class KVPeak:
     peak: float | None = None
 
 
+def _gauge(text: str, name: str) -> float | None:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 async def _watch_kv(client: httpx.AsyncClient, url: str, out: KVPeak, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+    """Live KV bytes every 0.2 s, plus the pool's high-water mark when it rose during the level:
+    a level shorter than the scrape interval still reports the KV it held."""
+    mark0: float | None = None
+    while True:
+        done = stop.is_set()  # one last scrape after the level, for the high-water mark
         try:
             text = (await client.get(f"{url}/metrics", timeout=5)).text
-            m = re.search(r"^veloxquant_kv_cache_used_bytes (\S+)$", text, re.M)
-            if m:
-                value = float(m.group(1))
-                out.peak = value if out.peak is None else max(out.peak, value)
+            used = _gauge(text, "veloxquant_kv_cache_used_bytes")
+            mark = _gauge(text, "veloxquant_block_pool_peak_blocks_in_use")
+            per_block = _gauge(text, "veloxquant_kv_bytes_per_block")
+            seen = [v for v in (used,) if v is not None]
+            if mark is not None and per_block is not None:
+                if mark0 is None:
+                    mark0 = mark
+                elif mark > mark0:
+                    seen.append(mark * per_block)
+            if seen:
+                out.peak = max(seen) if out.peak is None else max(out.peak, *seen)
         except httpx.HTTPError:
             pass
+        if done:
+            return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+            await asyncio.wait_for(stop.wait(), 0.2)
 
 
 async def run(client: httpx.AsyncClient, sc: AgentScenario) -> tuple[list[Turn], float, KVPeak]:
