@@ -22,13 +22,13 @@ import contextlib
 import dataclasses
 import json
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
 
 import httpx
 
+from loadtest.probe import scrape
 from loadtest.runner import WORDS, _streamed, check_loopback, resolve_model
 from loadtest.stats import Record, percentile
 
@@ -90,32 +90,21 @@ class KVPeak:
     peak: float | None = None
 
 
-def _gauge(text: str, name: str) -> float | None:
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else None
-
-
 async def _watch_kv(client: httpx.AsyncClient, url: str, out: KVPeak, stop: asyncio.Event) -> None:
     """Live KV bytes every 0.2 s, plus the pool's high-water mark when it rose during the level:
     a level shorter than the scrape interval still reports the KV it held."""
     mark0: float | None = None
     while True:
         done = stop.is_set()  # one last scrape after the level, for the high-water mark
-        try:
-            text = (await client.get(f"{url}/metrics", timeout=5)).text
-            used = _gauge(text, "veloxquant_kv_cache_used_bytes")
-            mark = _gauge(text, "veloxquant_block_pool_peak_blocks_in_use")
-            per_block = _gauge(text, "veloxquant_kv_bytes_per_block")
-            seen = [v for v in (used,) if v is not None]
-            if mark is not None and per_block is not None:
-                if mark0 is None:
-                    mark0 = mark
-                elif mark > mark0:
-                    seen.append(mark * per_block)
-            if seen:
-                out.peak = max(seen) if out.peak is None else max(out.peak, *seen)
-        except httpx.HTTPError:
-            pass
+        m = await scrape(client, url)
+        if m is not None and "veloxquant_kv_cache_used_bytes" in m:
+            seen = [m["veloxquant_kv_cache_used_bytes"]]
+            mark = m.get("veloxquant_block_pool_peak_blocks_in_use", 0.0)
+            if mark0 is None:
+                mark0 = mark
+            elif mark > mark0:
+                seen.append(mark * m.get("veloxquant_kv_bytes_per_block", 0.0))
+            out.peak = max(out.peak or 0.0, *seen)
         if done:
             return
         with contextlib.suppress(TimeoutError):
