@@ -17,7 +17,7 @@ from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 from veloxquant_mlx.kv import codec as kv_codec
-from veloxquant_mlx.kv.quantized import QuantizedDenseKV
+from veloxquant_mlx.kv.quantized import QuantizedDenseKV, check_kernels
 from veloxquant_mlx.kv.step import StepCache
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -81,6 +81,30 @@ def test_a_decode_step_matches_mlx_lms_quantized_cache(default_model, fmt):
         for slot, i in enumerate(batch_rows):
             stock = stock_step(model, rows[i][0], rows[i][1], fmt, codec.group_size)
             assert mx.allclose(ours[slot], stock, atol=1e-4).item(), (batch_rows, i)
+
+
+def test_a_step_reads_whole_rows_and_the_capacity_follows_the_width():
+    """A quantized step reads every row's whole capacity (contiguous operands, which MLX's
+    CUDA quantized_matmul needs), masked past each row's length; the capacity grows with the
+    widest row and comes back down when it leaves, keeping the other rows' codes."""
+    codec = kv_codec.parse("int8", "float32", 64, None)
+    kv = QuantizedDenseKV(1, codec)
+    rng = mx.random.normal((1, 2, 600, 64))
+    kv.put_row(0, [(rng, rng)], None)
+    kv.put_row(1, [(rng[:, :, :9], rng[:, :, :9])], None)
+    batch = kv.step_batch([600, 9])
+    kv.begin_step(batch, 0)
+    new = mx.zeros((2, 2, 1, 64))
+    keys, _ = kv.write_read(0, new, new, batch)
+    assert keys[0].shape[2] == kv.capacity == 640 and batch.read_width == 640
+    assert batch.mask(None).shape == (2, 1, 1, 640)
+    assert mx.array_equal(batch.mask(None)[1, 0, 0], mx.arange(640) <= 9).item()
+    before = kv.row_span(1, 0, 10)
+    one = kv.step_batch([10])  # the long row left: one row, unmasked before, masked now
+    kv.begin_step(one, 0)
+    assert kv.capacity == 128 and one.read_width == 128 and one.mask(None) is not None
+    for kept, was in zip(kv.row_span(1, 0, 10)[0][0], before[0][0], strict=True):
+        assert mx.array_equal(kept, was).item()  # the shrink kept row 1's codes
 
 
 def stock_quantized_tokens(model, prompt: list[int], n: int, fmt: str, group: int) -> list[int]:
@@ -204,20 +228,20 @@ def test_a_quantized_format_with_the_paged_layout_is_refused(default_model_dir):
 
 
 def test_a_backend_without_the_kernel_is_refused_at_start_in_one_line(monkeypatch):
-    """MLX 0.32's CUDA backend has no quantized_matmul for some head widths and group sizes
-    (it raised at the first decode step); that cannot happen on this CPU, so the backend's
-    error is stood in for here, and the refusal must name the format and what to try."""
+    """MLX 0.32's CUDA backend has no quantized_matmul for some operands (it raised at the
+    first decode step); that cannot happen on this CPU, so the backend's error is stood in for
+    here, and the refusal must name the format and what to try."""
     from mlx_lm.models import base
 
     codec = kv_codec.parse("int8", "bfloat16", 64, None)
-    kv_codec.check_kernels(codec, 32, 8, 64)  # this backend has the kernel
+    check_kernels(codec, 32, 8, 64)  # this backend has the kernel
 
     def missing(*args, **kwargs):
         raise RuntimeError("[quantized_matmul] No implementation for problem shape: 1x9x64x32")
 
     monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", missing)
     with pytest.raises(ValueError, match="try --kv-group-size 32 or --kv-format auto") as info:
-        kv_codec.check_kernels(codec, 32, 8, 64)
+        check_kernels(codec, 32, 8, 64)
     assert "\n" not in str(info.value) and "No implementation" in str(info.value)
 
 

@@ -57,3 +57,30 @@ def test_a_warmed_engine_shows_nothing_of_it_and_decodes_the_same(make_engine, c
         tokens.append([e.token_id for e in events])
     assert tokens[0] == tokens[1]
     assert_engine_all_free(warmed)
+
+
+def test_a_warm_up_that_fails_refuses_to_start_in_one_line(default_model_dir, monkeypatch, caplog):
+    """A shape the flags cannot run on this device (MLX 0.32's CUDA quantized_matmul refused
+    one) fails the start with one line naming the warm-up, not at the first request. That
+    cannot happen on this CPU, so a step's failure is stood in for."""
+    import pytest
+
+    from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+    from veloxquant_mlx.engine.loop.runner import Runner
+
+    def refuse(*_args):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape\nsecond line")
+
+    monkeypatch.setattr(Runner, "step", refuse)
+    config = EngineConfig(model_cache_dir=str(default_model_dir.parent), warm_up="on")
+    engine = Engine(config).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="veloxquant.engine"):
+            with pytest.raises(Exception, match="warm-up's requests failed") as info:
+                engine.wait_ready(120)
+        assert "second line" not in str(info.value)
+        lines = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+        assert lines and "No implementation" in lines[0] and "\n" not in lines[0]
+        assert not engine.alive
+    finally:
+        engine.shutdown(5)

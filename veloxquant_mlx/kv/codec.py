@@ -100,42 +100,6 @@ def parse(requested: str, model_dtype: str, head_dim: int, group_size: int | Non
     return KVCodec(requested, dtype, _BITS[requested], size)
 
 
-def check_kernels(codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-    """Run a decode step's quantized attention for this geometry once (two rows at different
-    lengths, masked, as a batch step is): some MLX backends lack a kernel for some shapes
-    (MLX 0.32's CUDA ``quantized_matmul`` refused 64-wide heads with group size 64), and a
-    format that cannot run must be refused at start, not fail every request.
-
-    Raises:
-        ValueError: One line naming the format, the shape and what to try.
-    """
-    if not codec.quantized:
-        return
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention
-
-    for length in (9, 300):
-        queries = mx.zeros((2, n_heads, 1, head_dim), dtype=codec.dtype)
-        codes, scales, biases = codec.encode(
-            mx.ones((2, n_kv_heads, length, head_dim), dtype=codec.dtype)
-        )
-        kv = (codes, scales, biases)
-        mask = (mx.arange(length)[None, :] < mx.array([[length], [length - 3]]))[:, None, None]
-        try:
-            mx.eval(
-                quantized_scaled_dot_product_attention(
-                    queries, kv, kv, 1.0, mask, group_size=codec.group_size, bits=codec.bits or 8
-                )
-            )
-        except (RuntimeError, ValueError) as exc:
-            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-            raise ValueError(
-                f"--kv-format {codec.name}: MLX on {mx.default_device()} cannot run quantized "
-                f"attention for {head_dim}-wide heads at group size {codec.group_size} "
-                f"({reason}); try --kv-group-size {32 if codec.group_size == 64 else 64} or "
-                "--kv-format auto"
-            ) from None
-
-
 def slice_span(parts: Stored, start: int, end: int) -> Stored:
     """Positions ``start:end`` of a stored span (views)."""
     return tuple(p[:, :, start:end] for p in parts)

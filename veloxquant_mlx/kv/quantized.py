@@ -8,6 +8,13 @@ selects). Cached pages keep the quantized span (a compressed page is cached and 
 compressed); a prefill that starts from cached pages reads them dequantized, and the disk tier
 writes them as stored.
 
+A step reads whole rows: each row's ``capacity`` positions, masked past its own (``read_whole``).
+MLX's CUDA ``quantized_matmul`` (0.32) has kernels only for contiguous operands, and the first
+``width`` positions of a longer buffer are not contiguous: it refused them ("No implementation
+for problem shape") where whole rows run. The capacity follows the batch's width in
+``READ_CHUNK`` steps, up and down, so a step reads fewer than ``2 * READ_CHUNK`` positions a row
+past its width (a regrowth copies the working set once per ``READ_CHUNK`` tokens).
+
 With ``recent`` (``--kv-recent-tokens N``) each row also keeps its newest N tokens in the
 model's float type (KIVI's residual window), in a ring per row (position ``p`` in slot
 ``p % N``): attention (``attend``, routed as the fused paged layout's is) reads positions
@@ -23,8 +30,12 @@ import mlx.core as mx
 
 from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.codec import KVCodec, Stored, join_spans, slice_span
-from veloxquant_mlx.kv.dense import ROW_CHUNK, SLOT_CHUNK, DenseKV
-from veloxquant_mlx.kv.step import StepBatch, unreached_layers
+from veloxquant_mlx.kv.dense import ROW_CHUNK, DenseKV
+from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
+
+# The capacity shrinks when the batch's width needs this many positions fewer (hysteresis: a
+# shrink copies the working set).
+SHRINK_SLACK = 4 * READ_CHUNK
 
 
 class QuantizedDenseKV(DenseKV):
@@ -53,12 +64,18 @@ class QuantizedDenseKV(DenseKV):
         self.rv: list[mx.array] = []
         self._batch: StepBatch | None = None
 
-    def _grow_to(self, rows: int, positions: int) -> None:
+    def _grow_to(self, rows: int, positions: int, shrink: bool = False) -> None:
+        """Room for ``rows`` rows of ``positions`` positions; with ``shrink``, a capacity
+        ``SHRINK_SLACK`` past that comes down to it."""
         assert self._geometry is not None
         new_rows = max(self.rows, -(-rows // ROW_CHUNK) * ROW_CHUNK)
-        new_cap = max(self.capacity, -(-positions // SLOT_CHUNK) * SLOT_CHUNK)
+        need = -(-positions // READ_CHUNK) * READ_CHUNK
+        new_cap = max(self.capacity, need)
+        if shrink and self.capacity - need >= SHRINK_SLACK:
+            new_cap = need
         if new_rows == self.rows and new_cap == self.capacity:
             return
+        keep = min(self.capacity, new_cap)
         heads, k_dim, v_dim = self._geometry
         for name, dim in (("qk", k_dim), ("qv", v_dim)):
             template = self.codec.encode(mx.zeros((1, heads, 1, dim), dtype=self.codec.dtype))
@@ -71,7 +88,7 @@ class QuantizedDenseKV(DenseKV):
                 )
                 if old:
                     for f, o in zip(fresh, old[layer], strict=True):
-                        f[: self.rows, :, : self.capacity] = o
+                        f[: self.rows, :, :keep] = o[:, :, :keep]
                 grown.append(fresh)
             setattr(self, name, grown)
         if self.recent:
@@ -111,13 +128,13 @@ class QuantizedDenseKV(DenseKV):
     def begin_step(self, batch: StepBatch, max_id: int) -> None:
         self._batch = batch
         if self.qk:
-            self._grow_to(len(batch.positions_list), batch.width + 1)
+            self._grow_to(len(batch.positions_list), batch.width + 1, shrink=True)
+            batch.read_whole(self.capacity)
 
     def write_read(  # type: ignore[override]
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
     ) -> tuple[Any, Any]:
         rows = keys.shape[0]
-        w = batch.read_width
         out = []
         for dst, src in ((self.qk[layer], keys), (self.qv[layer], values)):
             new = self.codec.encode(src)
@@ -130,7 +147,7 @@ class QuantizedDenseKV(DenseKV):
                 p = batch.positions[:, None]
                 for d, s in zip(dst, new, strict=True):
                     d[r, h, p] = s[:, :, 0, :]
-            out.append(tuple(d[:rows, :, :w] for d in dst))
+            out.append(tuple(d[:rows] for d in dst))  # whole rows: contiguous
         if self.recent:
             for ring, src in ((self.rk[layer], keys), (self.rv[layer], values)):
                 if batch.uniform:
@@ -153,10 +170,10 @@ class QuantizedDenseKV(DenseKV):
         rows, n_heads, _, dim = queries.shape
         n_kv = self.rk[layer].shape[1]
         group, bits = self.codec.group_size, self.codec.bits
-        w = batch.width
+        w = self.capacity  # whole rows (contiguous), masked past each row's length
         lengths = (batch.positions + 1)[:, None]  # [rows, 1]
-        kw, ks, kb = (mx.expand_dims(p[:rows, :, :w], 2) for p in self.qk[layer])
-        vw, vs, vb = (mx.expand_dims(p[:rows, :, :w], 2) for p in self.qv[layer])
+        kw, ks, kb = (mx.expand_dims(p[:rows], 2) for p in self.qk[layer])
+        vw, vs, vb = (mx.expand_dims(p[:rows], 2) for p in self.qv[layer])
         ring_k = mx.expand_dims(self.rk[layer][:rows], 2)  # [rows, kv, 1, recent, D]
         ring_v = mx.expand_dims(self.rv[layer][:rows], 2)
         q = (queries * mx.array(scale, queries.dtype)).reshape(rows, n_kv, n_heads // n_kv, 1, dim)
@@ -234,3 +251,56 @@ def window_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recen
     """Bytes one row's residual window takes in one stream (K, or V, of every layer, in the
     model's type)."""
     return n_layers * heads * head_dim * recent * codec.dtype.size
+
+
+def check_kernels(
+    codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int, recent: int = 0
+) -> None:
+    """Run a decode step's quantized attention through this layout once for this geometry:
+    one row (a step without a mask) and two rows at different lengths (masked), read as the
+    engine's steps read them. Some MLX backends lack a kernel for some operands (MLX 0.32's
+    CUDA ``quantized_matmul`` refused a row's first positions of a longer buffer), and a
+    format that cannot run must be refused at start, not fail every request.
+
+    Raises:
+        ValueError: One line naming the format, the shape and what to try.
+    """
+    if not codec.quantized:
+        return
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    for lengths in ([9], [9, 300]):
+        kv = QuantizedDenseKV(1, codec, recent=recent)
+        rows = len(lengths)
+        try:
+            for row, n in enumerate(lengths):
+                x = mx.ones((1, n_kv_heads, n, head_dim), dtype=codec.dtype)
+                kv.put_row(row, [(x, x)], None)
+            batch = kv.step_batch(lengths)
+            kv.begin_step(batch, 0)
+            new = mx.ones((rows, n_kv_heads, 1, head_dim), dtype=codec.dtype)
+            keys, values = kv.write_read(0, new, new, batch)
+            queries = mx.zeros((rows, n_heads, 1, head_dim), dtype=codec.dtype)
+            if recent:
+                out = kv.attend(0, queries, keys, values, 1.0)
+            else:
+                out = quantized_scaled_dot_product_attention(
+                    queries,
+                    keys,
+                    values,
+                    1.0,
+                    batch.mask(None),
+                    group_size=codec.group_size,
+                    bits=codec.bits or 8,
+                )
+            mx.eval(out)
+        except (RuntimeError, ValueError) as exc:
+            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"--kv-format {codec.name}: MLX on {mx.default_device()} cannot run quantized "
+                f"attention for {head_dim}-wide heads at group size {codec.group_size} "
+                f"({reason}); try --kv-group-size {32 if codec.group_size == 64 else 64} or "
+                "--kv-format auto"
+            ) from None
+        finally:
+            kv.clear()

@@ -46,6 +46,7 @@ class StepBatch:
         self.uniform = min(positions) == self.width - 1
         chunk = 1 if self.uniform else width_chunk
         self.read_width = -(-self.width // chunk) * chunk
+        self.whole = False  # the layout reads whole rows (``read_whole``): always masked
         self._masks: dict[int | None, mx.array] = {}
         self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
 
@@ -59,7 +60,12 @@ class StepBatch:
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
         """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
         where that is every position of every row (unless ``return_array``)."""
-        if not return_array and self.uniform and (window is None or self.width <= window):
+        if (
+            not return_array
+            and self.uniform
+            and not self.whole
+            and (window is None or self.width <= window)
+        ):
             return None
         m = self._masks.get(window)
         if m is None:
@@ -71,6 +77,15 @@ class StepBatch:
             m = m[:, None, None, :]
             self._masks[window] = m
         return m
+
+    def read_whole(self, capacity: int) -> None:
+        """The layout reads every row's ``capacity`` positions (the quantized layout: MLX's
+        CUDA ``quantized_matmul`` takes only contiguous operands, and a row's first ``width``
+        positions of a longer buffer are not); positions past a row's own are masked. Before
+        any layer asks for its mask."""
+        self.read_width = capacity
+        self.whole = True
+        self._masks.clear()
 
     def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
         """Row and head indices for writing one token per row at its position (made once a

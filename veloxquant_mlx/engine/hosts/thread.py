@@ -183,15 +183,19 @@ class Engine(HostBase):
         )
         if warm_up_wanted(self.config.warm_up) and rt.group is None:
             started = time.monotonic()
-            n = self._core.warm_up(
-                warm_up_waves(
-                    self.config.max_running,
-                    self.config.prefill_step,
-                    info.context_window,
-                    info.vocab_size,
-                    self._core.scheduler.prefill_budget,
-                )
+            waves = warm_up_waves(
+                self.config.max_running,
+                self.config.prefill_step,
+                info.context_window,
+                info.vocab_size,
+                self._core.scheduler.prefill_budget,
             )
+            try:
+                n = self._core.warm_up(waves)
+            except (RuntimeError, ValueError) as exc:  # a shape these flags cannot run here
+                raise RuntimeError(
+                    f"the warm-up's requests failed on {rt.device}: {_first_line(exc)}"
+                ) from exc
             log.info("warmed up: %d requests in %.1f s", n, time.monotonic() - started)
         self._loaded(info, parts)
         if rt.group is not None:

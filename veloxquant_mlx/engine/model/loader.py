@@ -24,7 +24,7 @@ from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
-from veloxquant_mlx.kv.quantized import window_bytes, window_unreached
+from veloxquant_mlx.kv.quantized import check_kernels, window_bytes, window_unreached
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -285,7 +285,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     geometry = probe_geometry(model)
     codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
-    kv_codec.check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim)
+    check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens)
     window = window_blocks(cfg, geometry, codec)
     sizing = pool_config(
         geometry,
