@@ -142,6 +142,43 @@ def test_metrics_parse_and_gauges_return_to_zero(server, oai):
     assert fams["veloxquant_request_duration_seconds"].type == "histogram"
 
 
+def test_a_resent_answer_hits_the_cache_through_its_generated_tokens(oai, server):
+    """An agent's next turn resends the answer as text; the server encodes it with the tokens
+    it generated, so the cached pages match through the answer (re-encoding a random-weight
+    model's answer gives other tokens: without this the hit stops where the answer starts)."""
+    messages = [
+        {"role": "system", "content": "You answer tersely. " * 20},
+        {"role": "user", "content": "Write something long about resent answers."},
+    ]
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    first = chunks[-1].usage
+    assert first.completion_tokens == 40 and answer
+    messages += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And now something else."},
+    ]
+    second = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0
+    ).usage
+    cached = second.prompt_tokens_details.cached_tokens
+    # the KV of the prompt and of the answer's tokens but the last (never fed back), in pages
+    assert cached == (first.prompt_tokens + first.completion_tokens - 1) // 16 * 16
+    assert second.prompt_tokens > first.prompt_tokens + first.completion_tokens
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    resent = [
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "veloxquant_resent_answers_total"
+    ]
+    assert resent and resent[0] >= 1
+
+
 def test_admin_shrink_with_and_without_key(server):
     url = f"{server.base_url}/admin/pool/shrink"
     body = {"stream": "kv", "target_free": 2900}

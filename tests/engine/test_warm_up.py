@@ -75,9 +75,11 @@ def test_a_warm_up_that_fails_refuses_to_start_in_one_line(default_model_dir, mo
     config = EngineConfig(model_cache_dir=str(default_model_dir.parent), warm_up="on")
     engine = Engine(config).start()
     try:
-        with caplog.at_level(logging.ERROR, logger="veloxquant.engine"):
-            with pytest.raises(Exception, match="warm-up's requests failed") as info:
-                engine.wait_ready(120)
+        with (
+            caplog.at_level(logging.ERROR, logger="veloxquant.engine"),
+            pytest.raises(Exception, match="warm-up's requests failed") as info,
+        ):
+            engine.wait_ready(120)
         assert "second line" not in str(info.value)
         lines = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
         assert lines and "No implementation" in lines[0] and "\n" not in lines[0]

@@ -137,6 +137,15 @@ class Settings(BaseSettings):
         "paged layout, in the dense one while at most 16 requests run (there each copy out of "
         "the batch's working set costs the next step an in-place update).",
     )
+    resent_answers: int = Field(
+        32,
+        ge=0,
+        le=4096,
+        description="Remember this many recent chat answers with the tokens the model generated "
+        "for them: a next turn that resends one (the conversation so far, then the answer's "
+        "text) is encoded with those tokens, so its prefix-cache hit runs through the answer "
+        "(re-encoding an answer's text need not give back its tokens); 0: off.",
+    )
     prefix_cache_dir: str | None = Field(
         None,
         description="Keep the prefix cache's pages on disk here too (written as they leave "

@@ -24,6 +24,7 @@ from veloxquant_mlx.server import (
     routes_scale,
 )
 from veloxquant_mlx.server.access_log import AccessLog
+from veloxquant_mlx.server.answers import AnswerTokens
 from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
@@ -117,7 +118,13 @@ def create_app(
         await asyncio.to_thread(eng.wait_ready)
         name = settings.served_model_name or eng.model_name
         metrics = Metrics(eng, name, settings.metrics_compat)
-        app.state.vq = AppState(settings, eng, metrics, name)
+        app.state.vq = AppState(
+            settings,
+            eng,
+            metrics,
+            name,
+            answers=AnswerTokens(settings.resent_answers, metrics.resent_answers.inc),
+        )
         joining = None
         if settings.register_with:
             worker = settings.advertise_url or f"http://{settings.host}:{settings.port}"

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from veloxquant_mlx.config import Settings
 from veloxquant_mlx.engine.client import EngineClient
+from veloxquant_mlx.server.answers import AnswerTokens
 from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.rates import RateWindow
@@ -27,6 +28,7 @@ class AppState:
     draining: bool = False
     registration: Registration | None = None  # --register-with
     rate: RateWindow = field(default_factory=RateWindow)  # generated tokens/s (/v1/loads)
+    answers: AnswerTokens = field(default_factory=AnswerTokens)  # --resent-answers
     started: int = field(default_factory=lambda: int(time.time()))  # unix time, for /v1/models
 
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -306,6 +306,11 @@ class Metrics:
             "veloxquant_request_duration_seconds",
             "Time from request arrival to its last event.",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.resent_answers = Counter(
+            "veloxquant_resent_answers",
+            "Chat prompts encoded with a resent answer's generated tokens (--resent-answers).",
             registry=self.registry,
         )
         self.collector = EngineCollector(engine, model_name, compat)

@@ -64,19 +64,20 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     tools = template_tools(body, tokenizer)
     messages = template_messages(body)
 
-    def render() -> list[int]:
-        return list(
-            tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True,
-                **(body.chat_template_kwargs or {}),
-            )
+    def render() -> tuple[str, list[int], str | None]:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False,
+            **(body.chat_template_kwargs or {}),
         )  # fmt: skip
+        # The answers this conversation resends, as the model generated them (server.answers)
+        tokens, continues = st.answers.encode(tokenizer, text)
+        return text, tokens, continues
 
     try:
         # A long conversation (an agent's, resent every turn) takes ~130 ms to render and
         # tokenize at 30k tokens: off the event loop, where every stream would wait for it.
         long = sum(len(str(m.get("content") or "")) for m in messages) > OFF_LOOP_CHARS
-        tokens = await asyncio.to_thread(render) if long or tools else render()
+        text, tokens, continues = await asyncio.to_thread(render) if long or tools else render()
     except APIError:
         raise
     except Exception as exc:  # a template that rejects the conversation (roles, order)
@@ -100,6 +101,10 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         st, [tokens], body.n, max_tokens, body,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,
     )  # fmt: skip
+    if len(handles) == 1:  # one answer to remember if it finishes whole; of n, none
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        prompt = handles[0].request.prompt_tokens
+        handles[0].tap = st.answers.tap(text, prompt, continues, eos)
     # A grammar holds from the first token: a constrained answer has no think block to split.
     enabled = st.settings.reasoning != "off" and grammar is None
     tail = tokenizer.decode(tokens[-16:]) if enabled and think_tags(tokenizer) else ""

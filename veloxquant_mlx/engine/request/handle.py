@@ -7,7 +7,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, TokenEvent
@@ -56,6 +56,9 @@ class RequestHandle:
         self.tag = tag
         self.submitted_at = time.monotonic()
         self.finish: FinishEvent | None = None
+        # Sees every event as the consumer takes it (on its side: the event loop), before it
+        # is handed on; the server's record of an answer's tokens (server.answers).
+        self.tap: Callable[[Event], None] | None = None
         self._done = threading.Event()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -120,6 +123,8 @@ class RequestHandle:
             raise RuntimeError("this handle was not submitted from an event loop; use events()")
         while True:
             event = await self._async_queue.get()
+            if self.tap is not None:
+                self.tap(event)
             yield event
             if isinstance(event, FinishEvent):
                 return
@@ -134,6 +139,9 @@ class RequestHandle:
             batch = [await queue.get()]
             while not queue.empty() and not isinstance(batch[-1], FinishEvent):
                 batch.append(queue.get_nowait())
+            if self.tap is not None:
+                for event in batch:
+                    self.tap(event)
             yield batch
             if isinstance(batch[-1], FinishEvent):
                 return

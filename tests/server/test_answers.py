@@ -1,0 +1,98 @@
+"""A resent answer encoded with the tokens the model generated (``server.answers``), with the
+embedded model's real tokenizer and chat template."""
+
+from __future__ import annotations
+
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent, Usage
+from veloxquant_mlx.server.answers import AnswerTokens
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+def render(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def finish(reason: str = "length", stop: str | None = None) -> FinishEvent:
+    return FinishEvent(reason, Usage(1, 1, 0, 0), 0.0, stop_string=stop)
+
+
+def answer(store, tokenizer, text, ids, *, prompt=None, continues=None, end=None) -> str:
+    """Run an answer of ``ids`` to ``text`` (encoded as ``prompt``) through a tap; the text
+    the client saw."""
+    prompt = prompt or tuple(tokenizer.encode(text, add_special_tokens=False))
+    tap = store.tap(text, prompt, continues, {2})
+    detok = tokenizer.detokenizer
+    detok.reset()
+    for token in ids:
+        detok.add_token(token)
+        tap(TokenEvent(token, detok.last_segment, 0.0))
+    detok.finalize()
+    tap(end or finish())
+    return tap.text
+
+
+def test_the_next_turn_reuses_the_answers_tokens_and_encodes_only_the_rest(default_model):
+    _, tok = default_model
+    store = AnswerTokens(4)
+    first = [SYSTEM, {"role": "user", "content": "hi"}]
+    prompt = render(tok, first)
+    ids = [1026, 1026, 31, 809]  # " 909 909909": not what encoding its text gives back
+    shown = answer(store, tok, prompt, ids)
+    assert shown == "909 909909" and tok.encode(shown, add_special_tokens=False) != ids
+    second = [*first, {"role": "assistant", "content": shown}, {"role": "user", "content": "ok"}]
+    text = render(tok, second)
+    tokens, continues = store.encode(tok, text)
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    assert continues == prompt + shown
+    assert tokens[: len(prompt_ids) + len(ids)] == [*prompt_ids, *ids]
+    rest = tok.encode(text[len(prompt + shown) :], add_special_tokens=False)
+    assert tokens[len(prompt_ids) + len(ids) :] == rest
+    # the same text but for the space the streaming detokenizer dropped
+    assert tok.decode(tokens) == text.replace(shown, " " + shown)
+
+    # the third turn continues the second: the first turn's entry is superseded
+    more = answer(store, tok, text, [1026, 1026], prompt=tokens, continues=continues)
+    third = [*second, {"role": "assistant", "content": more}, {"role": "user", "content": "x"}]
+    tokens3, key3 = store.encode(tok, render(tok, third))
+    assert key3 == text + more and len(store) == 1
+    assert tokens3[: len(tokens) + 2] == [*tokens, 1026, 1026]
+
+
+def test_other_conversations_and_cut_answers_are_encoded_whole(default_model):
+    _, tok = default_model
+    store = AnswerTokens(2)
+    prompt = render(tok, [SYSTEM, {"role": "user", "content": "hi"}])
+    other = render(tok, [SYSTEM, {"role": "user", "content": "bye"}])
+    answer(store, tok, prompt, [1026, 1026])
+    tokens, continues = store.encode(tok, other)
+    assert continues is None and tokens == tok.encode(other, add_special_tokens=False)
+
+    # a stop string cut the text: not remembered; an error: not remembered
+    cut = AnswerTokens(2)
+    answer(cut, tok, prompt, [1026, 1026], end=finish("stop", stop="909"))
+    answer(cut, tok, prompt, [1026], end=finish("error"))
+    assert len(cut) == 0
+
+    # a client that changed the answer's text does not match it; one whose text the ids do
+    # not decode to (edited in place, same length) is checked and encoded whole
+    shown = answer(store, tok, prompt, [1026, 1026])
+    edited = shown.replace("9", "8")
+    text = render(tok, [SYSTEM, {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": edited},
+                        {"role": "user", "content": "ok"}])  # fmt: skip
+    assert store.encode(tok, text)[1] is None
+    key = prompt + shown
+    store._turns[key].answer_text = edited  # ids that do not decode to the text remembered
+    store._turns[prompt + edited] = store._turns.pop(key)
+    tokens, continues = store.encode(tok, text)
+    assert continues is None and tokens == tok.encode(text, add_special_tokens=False)
+
+
+def test_the_store_is_bounded_and_off_at_zero(default_model):
+    _, tok = default_model
+    store = AnswerTokens(2)
+    for word in ("a", "b", "c"):
+        answer(store, tok, render(tok, [{"role": "user", "content": word}]), [1026])
+    assert len(store) == 2
+    assert AnswerTokens(0).tap("x", (1,), None, {2}) is None

@@ -1,0 +1,144 @@
+"""A conversation's next turn tokenized with the tokens the model generated for its answers.
+
+An agent resends the whole conversation every turn, its previous answers as text. The chat
+template renders that text and the tokenizer encodes it again, which need not give back the
+tokens the model generated (a random-weight model's answers never come back the same; a
+trained one's can differ at whitespace and merges). Where they differ the prefix cache stops
+matching, and the answer and everything after it are prefilled again although their KV is
+cached (``--prefix-cache-answers``).
+
+So the server remembers its last answers: the rendered prompt (text and ids) and the answer
+(text and generated ids). A rendered conversation that starts with a remembered prompt
+followed by its answer is encoded as the prompt's ids, the answer's generated ids and the rest
+encoded alone: the tokens the model saw and produced, and only the new text tokenized. Nothing
+else changes: a conversation that does not start that way is encoded whole, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
+
+
+@dataclass(slots=True)
+class Turn:
+    """One answer the server gave, after the prompt it answered."""
+
+    prompt_ids: Sequence[int]
+    answer_ids: tuple[int, ...]
+    answer_text: str
+    checked: bool | None = None  # the answer's ids decode to its text (checked on first use)
+
+
+class AnswerTokens:
+    """The last ``capacity`` answers (LRU), keyed by prompt text + answer text. Thread-safe:
+    turns are remembered on the event loop and looked up where prompts are rendered.
+
+    Args:
+        capacity: Answers kept; 0 keeps none (every prompt is encoded whole).
+        counted: Called once for each prompt that reuses a remembered answer's tokens (the
+            ``veloxquant_resent_answers_total`` counter).
+    """
+
+    def __init__(self, capacity: int = 32, counted: Callable[[], None] | None = None) -> None:
+        self.capacity = capacity
+        self.counted = counted
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def encode(self, tokenizer: Any, text: str) -> tuple[list[int], str | None]:
+        """``text`` (a rendered prompt) as token ids, and the key of the remembered turn it
+        continues (None: encoded whole)."""
+        key, turn = self._longest(text)
+        if turn is not None and turn.checked is None:
+            turn.checked = _same_text(tokenizer.decode(list(turn.answer_ids)), turn.answer_text)
+        if key is None or turn is None or not turn.checked:
+            return _encode(tokenizer, text), None
+        rest = _encode(tokenizer, text[len(key) :]) if len(text) > len(key) else []
+        if self.counted is not None:
+            self.counted()
+        return [*turn.prompt_ids, *turn.answer_ids, *rest], key
+
+    def tap(
+        self, prompt_text: str, prompt_ids: Sequence[int], continues: str | None, eos: Any
+    ) -> Answer | None:
+        """An answer to ``prompt_text`` to watch (``RequestHandle.tap``): remembered when it
+        finishes whole. ``continues`` is the key ``encode`` returned: that turn is superseded
+        by this one and dropped then. None when nothing is kept."""
+        if not self.capacity:
+            return None
+        return Answer(self, prompt_text, prompt_ids, continues, frozenset(eos))
+
+    def remember(self, answer: Answer) -> None:
+        text = answer.text
+        key = answer.prompt_text + text
+        with self._lock:
+            if answer.continues is not None:
+                self._turns.pop(answer.continues, None)
+            self._turns[key] = Turn(answer.prompt_ids, tuple(answer.ids), text)
+            self._turns.move_to_end(key)
+            while len(self._turns) > self.capacity:
+                self._turns.popitem(last=False)
+
+    def _longest(self, text: str) -> tuple[str | None, Turn | None]:
+        """The remembered turn whose prompt + answer ``text`` starts with, the longest."""
+        best: str | None = None
+        with self._lock:
+            for key in self._turns:
+                longer = best is None or len(key) > len(best)
+                if longer and len(key) < len(text) and text.startswith(key):
+                    best = key
+            if best is None:
+                return None, None
+            self._turns.move_to_end(best)
+            return best, self._turns[best]
+
+
+@dataclass(slots=True)
+class Answer:
+    """One choice's generated tokens and text, as its events reach the consumer; remembered
+    in ``store`` if it finishes whole (EOS or length, no stop string cut its text)."""
+
+    store: AnswerTokens
+    prompt_text: str
+    prompt_ids: Sequence[int]
+    continues: str | None
+    eos: frozenset[int]  # the model's end-of-sequence ids: not part of the answer's text
+    ids: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __call__(self, event: TokenEvent | FinishEvent) -> None:
+        self.parts.append(event.text)
+        if isinstance(event, TokenEvent):
+            if event.token_id not in self.eos:
+                self.ids.append(event.token_id)
+            return
+        whole = event.finish_reason in ("stop", "length") and event.stop_string is None
+        if whole and self.ids:
+            self.store.remember(self)
+
+
+def _same_text(decoded: str, text: str) -> bool:
+    """Whether an answer's ids (``decoded``) are the text the client saw: the same, or the
+    same but for the first token's leading space, which mlx_lm's streaming detokenizer drops
+    (a byte-level BPE's " 909" as the answer's first token is sent as "909"). The model
+    generated that space, so its tokens are still what it saw."""
+    return decoded == text or (decoded[:1] == " " and decoded[1:] == text)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """What ``apply_chat_template`` gives for its rendered ``text``: the text encoded with no
+    special tokens added (the template writes its own)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
