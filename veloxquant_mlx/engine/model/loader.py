@@ -285,6 +285,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     geometry = probe_geometry(model)
     codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
+    if codec.quantized:  # MLX compiles these kernels on first use (minutes for int4 on CUDA)
+        log.info("checking %s quantized attention on %s", codec.name, mx.default_device())
     check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens)
     window = window_blocks(cfg, geometry, codec)
     sizing = pool_config(
