@@ -53,6 +53,24 @@ def test_create_answers_in_text_with_usage_from_the_prefix_cache(claude):
     assert 0 < u.output_tokens <= 16
 
 
+def test_the_next_turn_hits_the_cache_through_the_resent_answer(claude):
+    """A Claude-Code-style loop resends the answer as a text block: the server encodes it with
+    the tokens it generated, so the cache reads through it (in pages of 16)."""
+    system = "Answer in full. " * 20
+    messages = [{"role": "user", "content": "Tell me about the resent answers."}]
+    first = ask(claude, system=system, messages=messages, max_tokens=40, temperature=0)
+    text = "".join(b.text for b in first.content if b.type == "text")
+    assert first.usage.output_tokens == 40 and text
+    messages += [
+        {"role": "assistant", "content": [{"type": "text", "text": text}]},
+        {"role": "user", "content": "Go on."},
+    ]
+    second = ask(claude, system=system, messages=messages, max_tokens=4, temperature=0)
+    prompt = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    seen = prompt + first.usage.output_tokens - 1  # the answer's last token is never fed
+    assert second.usage.cache_read_input_tokens == seen // 16 * 16
+
+
 def test_a_stream_is_the_same_message_as_its_events(claude):
     with claude.messages.stream(
         model=MODEL, max_tokens=12, extra_body={"temperature": 0},
