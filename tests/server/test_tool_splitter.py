@@ -90,6 +90,8 @@ def test_a_call_cut_by_max_tokens_is_a_call_as_far_as_it_came():
         ('{"name": "get_weathe', None, "get_weathe", ""),
         ('{"name": "get_weathe', "get_weather", "get_weather", ""),
         ('{"name": "get_weather", "arguments": {"city": "Pa', None, "get_weather", '{"city": "Pa'),
+        # cut inside the end tag: the call is whole, and none of the tag is in its arguments
+        ('{"name": "f", "arguments": {"a":1}}' + END[:-3], None, "f", '{"a": 1}'),
     ]:
         splitter = ToolCallSplitter(START, END, parse_tool_call, None, forced)
         content, calls = splitter.feed("Sure. " + START + text)

@@ -216,6 +216,8 @@ class ToolCallSplitter:
         if not self._in_call:
             return held, []
         self._in_call = False
+        if truncated:  # cut inside the end tag: the call before it is whole
+            held = held[: len(held) - _partial_suffix(held, self.end)]
         parsed = self._parse(held)  # unclosed: some formats omit the end tag
         if parsed is not None:
             return "", parsed
