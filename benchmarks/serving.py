@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -302,6 +303,14 @@ def main() -> None:
     p.add_argument("--work", default="bench-work")
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
+    extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
+    suffixes = ["", "-nopc"][: len(extras)]
+    for i, variant in enumerate(a.variant):
+        flags = shlex.split(variant)
+        if not flags or any(f.endswith("=") for f in flags):  # an empty shell variable, say
+            raise SystemExit(f"--variant {variant!r}: give the server flags and their values")
+        extras.append(flags)
+        suffixes.append("-" + chr(ord("b") + i))
     levels = [int(x) for x in a.concurrency.split(",")]
     requests = {c: max(a.per_level, a.per_client * c) for c in levels}
     lo, _, hi = a.max_tokens.partition("-")
@@ -334,11 +343,6 @@ def main() -> None:
             results["library"][c] = library(path, c, requests[c], a.prompt_tokens,
                                             max_tokens)  # fmt: skip
             print(f"library c={c}: {results['library'][c]:.0f} tok/s", flush=True)
-    extras: list[list[str]] = [[], ["--no-prefix-caching"]] if a.prefix_off_too else [[]]
-    suffixes = ["", "-nopc"][: len(extras)]
-    for i, variant in enumerate(a.variant):
-        extras.append(variant.split())
-        suffixes.append("-" + chr(ord("b") + i))
     layouts = a.layouts.split(",") if a.layouts else []
     variants = [(layout, x) for layout in layouts for x in zip(extras, suffixes, strict=True)]
     for layout, (extra, suffix) in variants:
