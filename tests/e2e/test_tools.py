@@ -123,6 +123,30 @@ def test_a_tool_result_conversation_renders_and_answers(oai):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_resent_tool_call_hits_the_cache_through_the_call(oai):
+    """An agent's tool-call turn: the calls come back as calls (the template renders their JSON
+    its own way), are rendered as the text the model generated, and the next prompt's cached
+    pages run through them (in pages of 16)."""
+    system = {"role": "system", "content": "Call the tools you are given. " * 12}
+    asked = [system, {"role": "user", "content": "weather in Oslo?"}]
+    first = oai.chat.completions.create(
+        model=MODEL, messages=asked, tools=[WEATHER], tool_choice="required", max_tokens=80,
+        temperature=0,
+    )  # fmt: skip
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    messages = [
+        *asked,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temp": 3}'},
+    ]
+    second = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    seen = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == seen // 16 * 16
+
+
 def test_tool_choice_none_keeps_tools_out_of_the_prompt(oai):
     with_none = _ask(oai, tools=[WEATHER], tool_choice="none", max_tokens=2, temperature=0)
     without = _ask(oai, max_tokens=2, temperature=0)

@@ -96,3 +96,35 @@ def test_the_store_is_bounded_and_off_at_zero(default_model):
         answer(store, tok, render(tok, [{"role": "user", "content": word}]), [1026])
     assert len(store) == 2
     assert AnswerTokens(0).tap("x", (1,), None, {2}) is None
+
+
+def test_resent_tool_calls_are_rendered_as_the_text_the_model_generated(default_model):
+    _, tok = default_model
+    store = AnswerTokens(4)
+    prompt = render(tok, [{"role": "user", "content": "weather?"}])
+    raw = '<tool_call>{"name": "w", "arguments": {"city":"Oslo"}}</tool_call>'
+    ids = tok.encode(raw, add_special_tokens=False)
+    tap = store.tap(prompt, tuple(tok.encode(prompt, add_special_tokens=False)), None, {2},
+                    "0123456789abcdef0123")  # fmt: skip
+    tap(TokenEvent(ids[0], raw, 0.0))
+    for token in ids[1:]:
+        tap(TokenEvent(token, "", 0.0))
+    tap(finish("stop"))
+    call = {"id": "call_0123456789abcdef01230000", "type": "function",
+            "function": {"name": "w", "arguments": {"city": "Oslo"}}}  # fmt: skip
+    sent = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "3"}]  # fmt: skip
+    generated = store.as_generated(sent)
+    assert generated is not None and generated[1] == {"role": "assistant", "content": raw}
+    assert generated[0] is sent[0] and sent[1]["tool_calls"] == [call]  # the input untouched
+    # the Messages API's id for the same call (toolu_...) names the same answer
+    toolu = {**sent[1], "tool_calls": [{**call, "id": "toolu_0123456789abcdef01230000"}]}
+    assert store.as_generated([sent[0], toolu]) is not None
+    # calls of another answer, or of two answers in one message: as sent
+    other = {**call, "id": "call_ffffffffffffffffffff0000"}
+    assert store.as_generated([sent[0], {**sent[1], "tool_calls": [other]}]) is None
+    assert store.as_generated([sent[0], {**sent[1], "tool_calls": [call, other]}]) is None
+    tokens, continues = store.encode(tok, render(tok, generated))
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    assert continues == prompt + raw and tokens[: len(prompt_ids) + len(ids)] == prompt_ids + ids

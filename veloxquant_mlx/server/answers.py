@@ -12,6 +12,12 @@ So the server remembers its last answers: the rendered prompt (text and ids) and
 followed by its answer is encoded as the prompt's ids, the answer's generated ids and the rest
 encoded alone: the tokens the model saw and produced, and only the new text tokenized. Nothing
 else changes: a conversation that does not start that way is encoded whole, as before.
+
+An answer that was tool calls comes back as the calls (ids, names, arguments), which the
+template renders its own way (its JSON spacing, not the model's). The calls' ids name the
+answer (``ToolCallSplitter.call_base``), so such a message is rendered as the text the model
+generated instead (``as_generated``), which then matches as a text answer does; a template that
+refuses that conversation renders the calls as sent.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Turn:
     prompt_ids: Sequence[int]
     answer_ids: tuple[int, ...]
     answer_text: str
+    call_base: str | None = None  # its tool calls' id base, when it could make calls
     checked: bool | None = None  # the answer's ids decode to its text (checked on first use)
 
 
@@ -49,6 +56,7 @@ class AnswerTokens:
         self.capacity = capacity
         self.counted = counted
         self._turns: OrderedDict[str, Turn] = OrderedDict()
+        self._calls: dict[str, str] = {}  # a remembered answer's call id base -> its text
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -67,26 +75,54 @@ class AnswerTokens:
             self.counted()
         return [*turn.prompt_ids, *turn.answer_ids, *rest], key
 
+    def as_generated(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """``messages`` with each assistant message whose tool calls all came from one
+        remembered answer replaced by that answer's text; None when there is none."""
+        out, changed = list(messages), False
+        with self._lock:
+            for i, message in enumerate(messages):
+                calls = message.get("tool_calls") or []
+                if message.get("role") != "assistant" or not calls:
+                    continue
+                bases = {_base(str(c.get("id") or "")) for c in calls}
+                text = self._calls.get(bases.pop()) if len(bases) == 1 else None
+                if text is not None:
+                    out[i] = {"role": "assistant", "content": text}
+                    changed = True
+        return out if changed else None
+
     def tap(
-        self, prompt_text: str, prompt_ids: Sequence[int], continues: str | None, eos: Any
+        self,
+        prompt_text: str,
+        prompt_ids: Sequence[int],
+        continues: str | None,
+        eos: Any,
+        call_base: str | None = None,
     ) -> Answer | None:
         """An answer to ``prompt_text`` to watch (``RequestHandle.tap``): remembered when it
         finishes whole. ``continues`` is the key ``encode`` returned: that turn is superseded
         by this one and dropped then. None when nothing is kept."""
         if not self.capacity:
             return None
-        return Answer(self, prompt_text, prompt_ids, continues, frozenset(eos))
+        return Answer(self, prompt_text, prompt_ids, continues, frozenset(eos), call_base)
 
     def remember(self, answer: Answer) -> None:
         text = answer.text
         key = answer.prompt_text + text
         with self._lock:
             if answer.continues is not None:
-                self._turns.pop(answer.continues, None)
-            self._turns[key] = Turn(answer.prompt_ids, tuple(answer.ids), text)
+                self._forget(self._turns.pop(answer.continues, None))
+            base = answer.call_base
+            self._turns[key] = Turn(answer.prompt_ids, tuple(answer.ids), text, base)
             self._turns.move_to_end(key)
+            if base is not None:
+                self._calls[base] = text
             while len(self._turns) > self.capacity:
-                self._turns.popitem(last=False)
+                self._forget(self._turns.popitem(last=False)[1])
+
+    def _forget(self, turn: Turn | None) -> None:
+        if turn is not None and turn.call_base is not None:
+            self._calls.pop(turn.call_base, None)
 
     def _longest(self, text: str) -> tuple[str | None, Turn | None]:
         """The remembered turn whose prompt + answer ``text`` starts with, the longest."""
@@ -112,6 +148,7 @@ class Answer:
     prompt_ids: Sequence[int]
     continues: str | None
     eos: frozenset[int]  # the model's end-of-sequence ids: not part of the answer's text
+    call_base: str | None = None  # its tool calls' id base (``ToolCallSplitter``)
     ids: list[int] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
 
@@ -128,6 +165,11 @@ class Answer:
         whole = event.finish_reason in ("stop", "length") and event.stop_string is None
         if whole and self.ids:
             self.store.remember(self)
+
+
+def _base(call_id: str) -> str:
+    """The answer part of a tool call's id as any API gave it (``call_``, ``toolu_`` ...)."""
+    return call_id.rpartition("_")[2][:20]
 
 
 def _same_text(decoded: str, text: str) -> bool:

@@ -64,12 +64,24 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     tools = template_tools(body, tokenizer)
     messages = template_messages(body)
 
-    def render() -> tuple[str, list[int], str | None]:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False,
+    def template(conversation: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(
+            conversation, tools=tools, add_generation_prompt=True, tokenize=False,
             **(body.chat_template_kwargs or {}),
-        )  # fmt: skip
-        # The answers this conversation resends, as the model generated them (server.answers)
+        )  # type: ignore[no-any-return]  # fmt: skip
+
+    def render() -> tuple[str, list[int], str | None]:
+        # The answers this conversation resends, as the model generated them (server.answers):
+        # tool calls as their text, then the text's tokens
+        generated = st.answers.as_generated(messages)
+        text = None
+        if generated is not None:
+            try:
+                text = template(generated)
+            except Exception:  # a template that wants the calls as calls: as sent
+                text = None
+        if text is None:
+            text = template(messages)
         tokens, continues = st.answers.encode(tokenizer, text)
         return text, tokens, continues
 
@@ -101,16 +113,18 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         st, [tokens], body.n, max_tokens, body,
         logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, grammar=grammar,
     )  # fmt: skip
+    splitters = [splitter_for(body, tokenizer) for _ in handles]
     if len(handles) == 1:  # one answer to remember if it finishes whole; of n, none
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
         prompt = handles[0].request.prompt_tokens
-        handles[0].tap = st.answers.tap(text, prompt, continues, eos)
+        base = splitters[0].call_base if splitters[0] is not None else None
+        handles[0].tap = st.answers.tap(text, prompt, continues, eos, base)
     # A grammar holds from the first token: a constrained answer has no think block to split.
     enabled = st.settings.reasoning != "off" and grammar is None
     tail = tokenizer.decode(tokens[-16:]) if enabled and think_tags(tokenizer) else ""
     return PreparedChat(
         handles,
-        [splitter_for(body, tokenizer) for _ in handles],
+        splitters,
         [reasoning_splitter(tokenizer, tail, enabled) for _ in handles],
     )
 

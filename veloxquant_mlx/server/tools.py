@@ -179,6 +179,9 @@ class ToolCallSplitter:
     parser: Any
     tools: list[dict[str, Any]] | None
     forced: str | None = None  # the tool the request's tool_choice forces, if one
+    # Its calls' ids are ``call_`` + this + a 4-digit hex index: a resent call names the
+    # answer it came from (server.answers)
+    call_base: str = field(default_factory=lambda: uuid.uuid4().hex[:20])
     _held: str = ""
     _in_call: bool = False
     n_calls: int = field(default=0)
@@ -237,7 +240,7 @@ class ToolCallSplitter:
     def _call(self, name: str, arguments: Any) -> dict[str, Any]:
         call = {
             "index": self.n_calls,
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "id": f"call_{self.call_base}{self.n_calls:04x}",
             "type": "function",
             "function": {
                 "name": name,
