@@ -128,3 +128,34 @@ def test_resent_tool_calls_are_rendered_as_the_text_the_model_generated(default_
     tokens, continues = store.encode(tok, render(tok, generated))
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     assert continues == prompt + raw and tokens[: len(prompt_ids) + len(ids)] == prompt_ids + ids
+
+
+def test_a_tool_loop_keeps_hitting_through_every_earlier_call(default_model):
+    """Turn after turn of tool calls: each prompt renders every earlier call as generated, so
+    each continues the previous turn (an earlier call rendered by the template would break the
+    match from that call on)."""
+    _, tok = default_model
+    store = AnswerTokens(4)
+    sent = [{"role": "user", "content": "weather?"}]
+    prompt, continues, prompt_ids = render(tok, sent), None, None
+    for turn in range(3):
+        if turn:
+            generated = store.as_generated(sent)
+            assert generated is not None
+            assert all(m.get("tool_calls") is None for m in generated)  # every call as text
+            prompt = render(tok, generated)
+            prompt_ids, continues = store.encode(tok, prompt)
+            assert continues is not None, turn
+        raw = f'<tool_call>{{"name": "w", "arguments": {{"n":{turn}}}}}</tool_call>'
+        base = f"{turn:020x}"
+        tap = store.tap(prompt, prompt_ids or tok.encode(prompt, add_special_tokens=False),
+                        continues, {2}, base)  # fmt: skip
+        ids = tok.encode(raw, add_special_tokens=False)
+        for i, token in enumerate(ids):
+            tap(TokenEvent(token, raw if i == 0 else "", 0.0))
+        tap(finish("stop"))
+        call = {"id": f"call_{base}0000", "type": "function",
+                "function": {"name": "w", "arguments": {"n": turn}}}  # fmt: skip
+        sent += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": str(turn)}]  # fmt: skip
+    assert len(store) == 1  # one conversation, one turn remembered

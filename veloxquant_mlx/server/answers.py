@@ -30,6 +30,9 @@ from typing import Any
 
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 
+# Tool-call answers kept per remembered turn: a conversation resends every earlier call.
+CALLS_PER_TURN = 32
+
 
 @dataclass(slots=True)
 class Turn:
@@ -38,7 +41,6 @@ class Turn:
     prompt_ids: Sequence[int]
     answer_ids: tuple[int, ...]
     answer_text: str
-    call_base: str | None = None  # its tool calls' id base, when it could make calls
     checked: bool | None = None  # the answer's ids decode to its text (checked on first use)
 
 
@@ -56,7 +58,9 @@ class AnswerTokens:
         self.capacity = capacity
         self.counted = counted
         self._turns: OrderedDict[str, Turn] = OrderedDict()
-        self._calls: dict[str, str] = {}  # a remembered answer's call id base -> its text
+        # A tool-call answer's id base -> its text, for as long as conversations resend it:
+        # kept past its turn (a later turn still carries the calls), LRU, a few per turn.
+        self._calls: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -85,8 +89,10 @@ class AnswerTokens:
                 if message.get("role") != "assistant" or not calls:
                     continue
                 bases = {_base(str(c.get("id") or "")) for c in calls}
-                text = self._calls.get(bases.pop()) if len(bases) == 1 else None
-                if text is not None:
+                base = bases.pop() if len(bases) == 1 else None
+                text = self._calls.get(base) if base is not None else None
+                if base is not None and text is not None:
+                    self._calls.move_to_end(base)
                     out[i] = {"role": "assistant", "content": text}
                     changed = True
         return out if changed else None
@@ -111,18 +117,16 @@ class AnswerTokens:
         key = answer.prompt_text + text
         with self._lock:
             if answer.continues is not None:
-                self._forget(self._turns.pop(answer.continues, None))
-            base = answer.call_base
-            self._turns[key] = Turn(answer.prompt_ids, tuple(answer.ids), text, base)
+                self._turns.pop(answer.continues, None)
+            self._turns[key] = Turn(answer.prompt_ids, tuple(answer.ids), text)
             self._turns.move_to_end(key)
-            if base is not None:
-                self._calls[base] = text
             while len(self._turns) > self.capacity:
-                self._forget(self._turns.popitem(last=False)[1])
-
-    def _forget(self, turn: Turn | None) -> None:
-        if turn is not None and turn.call_base is not None:
-            self._calls.pop(turn.call_base, None)
+                self._turns.popitem(last=False)
+            if answer.call_base is not None:
+                self._calls[answer.call_base] = text
+                self._calls.move_to_end(answer.call_base)
+                while len(self._calls) > CALLS_PER_TURN * self.capacity:
+                    self._calls.popitem(last=False)
 
     def _longest(self, text: str) -> tuple[str | None, Turn | None]:
         """The remembered turn whose prompt + answer ``text`` starts with, the longest."""
