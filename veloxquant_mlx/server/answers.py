@@ -74,7 +74,7 @@ class AnswerTokens:
             turn.checked = _same_text(tokenizer.decode(list(turn.answer_ids)), turn.answer_text)
         if key is None or turn is None or not turn.checked:
             return _encode(tokenizer, text), None
-        rest = _encode(tokenizer, text[len(key) :]) if len(text) > len(key) else []
+        rest = _encode(tokenizer, text[len(key) :])  # never empty: a key is shorter than text
         if self.counted is not None:
             self.counted()
         return [*turn.prompt_ids, *turn.answer_ids, *rest], key
@@ -89,9 +89,9 @@ class AnswerTokens:
                 if message.get("role") != "assistant" or not calls:
                     continue
                 bases = {_base(str(c.get("id") or "")) for c in calls}
-                base = bases.pop() if len(bases) == 1 else None
-                text = self._calls.get(base) if base is not None else None
-                if base is not None and text is not None:
+                base = bases.pop() if len(bases) == 1 else ""  # "": calls of two answers
+                text = self._calls.get(base)
+                if text is not None:
                     self._calls.move_to_end(base)
                     out[i] = {"role": "assistant", "content": text}
                     changed = True

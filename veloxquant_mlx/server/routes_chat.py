@@ -74,13 +74,11 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         # The answers this conversation resends, as the model generated them (server.answers):
         # tool calls as their text, then the text's tokens
         generated = st.answers.as_generated(messages)
-        text = None
-        if generated is not None:
-            try:
-                text = template(generated)
-            except Exception:  # a template that wants the calls as calls: as sent
-                text = None
-        if text is None:
+        try:
+            text = template(generated if generated is not None else messages)
+        except Exception:  # a template that wants the calls as calls: as sent
+            if generated is None:
+                raise
             text = template(messages)
         tokens, continues = st.answers.encode(tokenizer, text)
         return text, tokens, continues
