@@ -66,6 +66,72 @@ def test_auto_is_mlx_own_on_a_cpu_and_bad_modes_are_refused():
         attention.choose("flash")
 
 
+def test_the_exp2_softmax_is_auto_on_a_cpu_only_and_can_be_chosen():
+    assert attention.choose("auto", gpu=False).exp2
+    assert not attention.choose("auto", gpu=True).exp2
+    assert attention.choose("matmul", gpu=True, softmax="exp2").exp2
+    assert not attention.choose("sdpa", gpu=False, softmax="exp").exp2
+    with pytest.raises(ValueError, match="attention softmax must be one of"):
+        attention.choose("auto", softmax="exp10")
+
+
+def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d: int = 16):
+    mx.random.seed(n_q * 1000 + length)
+    return (
+        mx.random.normal((rows, n_heads, n_q, d)),
+        mx.random.normal((rows, n_kv, length, d)),
+        mx.random.normal((rows, n_kv, length, d)),
+    )
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv"), [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize(("n_q", "length"), [(1, 1), (1, 37), (7, 7), (9, 60)])
+def test_exp2_attention_equals_mlx_attention_under_every_mask_kind(n_heads, n_kv, n_q, length):
+    """No mask, "causal" (the queries are the last ``n_q`` positions), a bool mask per row, an
+    additive one, and one per query head; what MLX's own gives, to float32 rounding."""
+    q, k, v = prefill_qkv(n_q, n_heads, n_kv, length)
+    scale = 16**-0.5
+    cols = mx.arange(length)[None, :]
+    causal = (mx.arange(n_q)[:, None] + (length - n_q)) >= cols  # [n_q, length]
+    per_row = (
+        causal[None, None]
+        & (cols < mx.array([length, max(1, length - 3)])[:, None])[:, None, None, :]
+    )
+    per_head = mx.broadcast_to(per_row, (2, n_heads, n_q, length)) & (
+        mx.arange(n_heads)[None, :, None, None] % 2 == 0
+    ) | (cols[None, None] == 0)
+    masks: list = [None, "causal", per_row, mx.where(per_row, 0.0, -mx.inf), per_head]
+    for mask in masks:
+        ours = attention.exp2_attention(q, k, v, scale, mask)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        assert ours.shape == theirs.shape == (2, n_heads, n_q, 16)
+        assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
+
+
+def test_exp2_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
+    """A left-padded row's padding queries see no position (prefill of several prompts in one
+    forward): their output is 0, so no NaN reaches V's padding; the other queries' output is
+    MLX's."""
+    q, k, v = prefill_qkv(3, 4, 2, 3)
+    for dtype in (mx.float32, mx.float16):
+        q, k, v = (a.astype(dtype) for a in (q, k, v))
+        mask = mx.array([[True, False, False], [False, False, False], [True, True, True]])
+        ours = attention.exp2_attention(q, k, v, 0.25, mask[None, None])
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask[None, None])
+        assert not mx.isnan(ours).any().item()
+        assert (ours[:, :, 1] == 0).all().item()
+        seen = mx.array([0, 2])
+        assert mx.allclose(ours[:, :, seen], theirs[:, :, seen], atol=2e-3).item()
+
+
+def test_exp2_attention_keeps_a_half_precision_type_and_softmaxes_in_float32():
+    q, k, v = (a.astype(mx.float16) for a in prefill_qkv(5, 4, 2, 30))
+    ours = attention.exp2_attention(q, k, v, 0.25, "causal")
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert ours.dtype == mx.float16
+    assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=2e-3).item()
+
+
 def step_cache(kind: str, positions: list[int]) -> StepCache:
     kv = DenseKV(1, ragged=RaggedAttention(kind))
     return StepCache(kv, 0, kv.step_batch(positions))
@@ -80,7 +146,7 @@ def test_a_step_attends_by_matmul_from_its_layouts_fewest_rows():
     assert not DenseKV(1, ragged=RaggedAttention("sdpa")).step_batch(list(range(64))).matmul
     assert not PagedKV(1, 16, 8, RaggedAttention("matmul", 32)).step_batch([3, 9]).matmul
     assert attention.choose("auto", gpu=True) == RaggedAttention("matmul", 32)
-    assert attention.choose("auto", gpu=False) == RaggedAttention("sdpa")
+    assert attention.choose("auto", gpu=False) == RaggedAttention("sdpa", exp2=True)
     assert attention.choose("matmul").min_rows == 1
     assert kv.ragged.label == "matmul>=32"  # what /metrics labels build_info with
     assert RaggedAttention("matmul").label == "matmul"

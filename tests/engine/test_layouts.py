@@ -99,17 +99,25 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
     arch_model, layout, attention, monkeypatch
 ):
     """``attention``: how ragged steps attend (kv/attention.py); the matmul path must have
-    been taken, by as many calls as the ragged steps' layers."""
+    been taken, by as many calls as the ragged steps' layers. The rest of the engine's
+    attention, prefill chunks and uniform steps, takes the CPU's exp2 softmax (auto)."""
     from veloxquant_mlx.kv import attention as attention_module
 
     calls = []
+    exp2_queries = set()
     real = attention_module.matmul_attention
+    real_exp2 = attention_module.exp2_attention
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return real(*args)
 
+    def counted_exp2(*args):
+        exp2_queries.add(args[0].shape[2])
+        return real_exp2(*args)
+
     monkeypatch.setattr(attention_module, "matmul_attention", counted)
+    monkeypatch.setattr(attention_module, "exp2_attention", counted_exp2)
     path, model = arch_model
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
@@ -121,6 +129,8 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
         assert calls and max(calls) > 1, "ragged multi-row steps went through matmul_attention"
     else:
         assert not calls
+    if mx.default_device() != mx.gpu:  # prefill (several queries) and decode (one)
+        assert 1 in exp2_queries and max(exp2_queries) > 1
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])

@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         "(MLX's, with a mask), matmul (each KV head's query heads as one product's rows), auto "
         "(the measured best: matmul on a GPU, sdpa on a CPU).",
     )
+    attention_softmax: Literal["auto", "exp", "exp2"] = Field(
+        "auto",
+        description="The softmax of the engine's attention (prefill and decode): exp (MLX's), "
+        "exp2 (as powers of two: MLX's CPU exp is about 2.5x slower than its power), auto "
+        "(exp2 on a CPU, exp on a GPU).",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

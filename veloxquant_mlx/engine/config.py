@@ -52,6 +52,9 @@ class EngineConfig:
     # "sdpa" (MLX's, masked), "matmul" (KV heads' query heads as one product's rows), "auto"
     # (the measured best: matmul on a GPU, sdpa on a CPU).
     ragged_attention: str = "auto"
+    # The softmax of the engine's attention (kv/attention.py): "exp" (MLX's), "exp2" (powers
+    # of two), "auto" (exp2 on a CPU, where MLX's exp is slow; exp on a GPU).
+    attention_softmax: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

@@ -13,6 +13,15 @@ as in serving (BENCHMARKS.md, "Ragged rows"): even with the mask path at 8 rows,
 1.66x at 128. On a CPU both are the same ops, so ``auto`` keeps MLX's own there, and on a GPU
 takes matmul from ``AUTO_MATMUL_MIN_ROWS`` rows.
 
+On a CPU the cost is elsewhere: MLX's CPU ``exp`` (0.32) takes about 12 ns an element, 55x a
+multiply, and ``mx.power(2, x)`` about 2.5x less, to within an ulp. A prefill chunk of the
+engine's own (200 tokens over 2,000 cached, tiny model) spends three quarters of its forward in
+the softmax's ``exp``. ``exp2_attention`` is the same attention with the softmax taken as powers
+of two (the query scaled by ``log2(e)``) and normalised after the product with V (a pass over
+``[queries, keys]`` fewer); ``--attention-softmax auto`` takes it on a CPU, for the engine's
+prefill chunks and decode steps (1.56x that forward, 1.1x a decode step at 2,000 positions;
+BENCHMARKS.md).
+
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
 ``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
 
@@ -35,6 +44,8 @@ import mlx.core as mx
 from veloxquant_mlx.kv.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
+SOFTMAXES = ("auto", "exp", "exp2")
+LOG2E = 1.4426950408889634
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
 # are even within a step and MLX's was ahead end to end; from 32 rows matmul is ahead)
 AUTO_MATMUL_MIN_ROWS = 32
@@ -44,10 +55,13 @@ _NAME = "scaled_dot_product_attention"
 @dataclass(frozen=True, slots=True)
 class RaggedAttention:
     """How a decode step whose rows sit at different positions attends: by ``mode`` ("sdpa",
-    MLX's masked attention, or "matmul", ``matmul_attention``), matmul from ``min_rows`` rows."""
+    MLX's masked attention, or "matmul", ``matmul_attention``), matmul from ``min_rows`` rows;
+    with ``exp2``, every attention of the engine's own caches (prefill chunks too) is
+    ``exp2_attention``."""
 
     mode: str = "sdpa"
     min_rows: int = 1
+    exp2: bool = False
 
     def uses_matmul(self, rows: int) -> bool:
         return self.mode == "matmul" and rows >= self.min_rows
@@ -60,18 +74,24 @@ class RaggedAttention:
         return f"matmul>={self.min_rows}"
 
 
-def choose(requested: str, gpu: bool | None = None) -> RaggedAttention:
-    """The policy for ``requested`` ("auto", "sdpa" or "matmul"): ``auto`` is the measured
-    best for the device (``gpu``; default: MLX's default device): matmul from
-    ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU, where both are the same ops."""
+def choose(requested: str, gpu: bool | None = None, softmax: str = "auto") -> RaggedAttention:
+    """The policy for ``requested`` ("auto", "sdpa" or "matmul") and ``softmax`` ("auto",
+    "exp" or "exp2"): ``auto`` is the measured best for the device (``gpu``; default: MLX's
+    default device): matmul from ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU,
+    where both are the same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast)."""
     if requested not in MODES:
         raise ValueError(f"ragged attention must be one of {', '.join(MODES)}, got {requested!r}")
-    if requested != "auto":
-        return RaggedAttention(requested)
+    if softmax not in SOFTMAXES:
+        raise ValueError(
+            f"attention softmax must be one of {', '.join(SOFTMAXES)}, got {softmax!r}"
+        )
     on_gpu = mx.default_device() == mx.gpu if gpu is None else gpu
+    exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
+    if requested != "auto":
+        return RaggedAttention(requested, exp2=exp2)
     if on_gpu:
-        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS)
-    return RaggedAttention("sdpa")
+        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2)
+    return RaggedAttention("sdpa", exp2=exp2)
 
 
 def matmul_attention(
@@ -100,6 +120,54 @@ def matmul_attention(
         scores = scores + mask.astype(scores.dtype)
     weights = mx.softmax(scores, axis=-1, precise=True)
     return (weights @ values).reshape(b, n_heads, 1, values.shape[-1])
+
+
+def exp2_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """Attention of ``queries [B, H, N, D]`` over ``keys``/``values`` ``[B, H_kv, L, D]``
+    (the last ``N`` of the ``L`` positions are the queries' own), with the softmax taken as
+    powers of two. ``mask``: None, "causal", or a bool (True = attend) or additive array that
+    broadcasts to ``[B, 1 or H, N, L]``. A KV head's query heads are the rows of one product
+    (K and V read in place, no broadcast over heads); the softmax is in float32, as MLX's
+    ``precise`` one; the weights are normalised after the product with V. A query that sees no
+    position gets 0 (MLX's gives V's mean there; such queries are padding).
+
+    Cost: two products of ``B * H * N * L * D`` each and five passes over ``[B, H, N, L]``.
+    Lazy: builds the graph only, like any MLX op."""
+    b, n_heads, n_q, d = queries.shape
+    n_kv, length = keys.shape[1], keys.shape[2]
+    rep = n_heads // n_kv
+    q = (queries * mx.array(scale * LOG2E, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
+    scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
+    if scores.dtype != mx.float32:
+        scores = scores.astype(mx.float32)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        if n_q > 1:
+            mask = (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(length)[None]
+        else:
+            mask = None
+    if mask is not None:
+        m = mask
+        while m.ndim < 4:
+            m = m[None]
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(-float("inf"), scores.dtype))
+        else:
+            scores = scores + (m * LOG2E).astype(scores.dtype)
+    # A row of padding that sees nothing (several prompts in one left-padded forward): its max
+    # is -inf; clamped, its weights are all 0 and its output 0, not NaN (which would reach V's
+    # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 5x slower there.
+    top = mx.maximum(scores.max(axis=-1, keepdims=True), mx.finfo(mx.float32).min)
+    weights = mx.power(mx.array(2.0, mx.float32), scores - top)
+    total = weights.sum(axis=-1, keepdims=True).reshape(b, n_kv, rep * n_q, 1)
+    total = mx.maximum(total, 1.0)  # >= 1 wherever a position is seen (the top one's 2^0)
+    weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
+    out = ((weights @ values) / total).astype(values.dtype)
+    return out.reshape(b, n_heads, n_q, values.shape[-1])
 
 
 def install(model: Any) -> int:
@@ -151,6 +219,12 @@ def _routed(original: Any) -> Any:
             and queries.shape[2] == 1
         ):
             return matmul_attention(queries, keys, values, scale, mask)
+        if (
+            getattr(cache, "vq_exp2", False)
+            and not hasattr(cache, "bits")  # quantized KV: mlx_lm's quantized attention
+            and sinks is None
+        ):
+            return exp2_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache, scale, mask, sinks)
 
     scaled_dot_product_attention._vq_ragged = True  # type: ignore[attr-defined]

@@ -28,15 +28,23 @@ class StepBatch:
         positions: Where each row's new token goes (= its tokens already in KV), [rows].
         matmul: A masked step attends through ``kv.attention.matmul_attention``.
         width_chunk: A masked step reads its keys in multiples of this many positions.
+        exp2: Every layer attends through ``kv.attention.exp2_attention`` (the CPU's softmax).
 
     ``width`` is the positions every row's keys span after the write (max position + 1);
     ``read_width`` what a step reads and masks: ``width``, rounded up to ``width_chunk`` when
     rows sit at different positions (every layer has a mask then).
     """
 
-    def __init__(self, positions: list[int], matmul: bool = False, width_chunk: int = 1) -> None:
+    def __init__(
+        self,
+        positions: list[int],
+        matmul: bool = False,
+        width_chunk: int = 1,
+        exp2: bool = False,
+    ) -> None:
         self.positions_list = positions
         self.matmul = matmul
+        self.exp2 = exp2
         self.positions = mx.array(positions, dtype=mx.int32)
         self.width = max(positions) + 1
         # Every row at the same position (one stream, or rows that joined together): each row
@@ -55,7 +63,7 @@ class StepBatch:
         """A step over rows at ``positions`` as ``ragged`` says: a matmul step reads in
         ``READ_CHUNK``s (both layouts plan their steps here)."""
         matmul = ragged.uses_matmul(len(positions))
-        return cls(positions, matmul, READ_CHUNK if matmul else 1)
+        return cls(positions, matmul, READ_CHUNK if matmul else 1, ragged.exp2)
 
     def mask(self, window: int | None, return_array: bool = False) -> mx.array | None:
         """[rows, 1, 1, read_width] bool: each row sees its own tokens (the last ``window``); None
@@ -129,6 +137,11 @@ class StepCache:
         codec = getattr(kv, "codec", None)
         if codec is not None:  # quantized KV: mlx_lm's attention reads it through these
             self.bits, self.group_size = codec.bits, codec.group_size
+
+    @property
+    def vq_exp2(self) -> bool:
+        """The routed attention takes ``exp2_attention`` (as prefill caches that carry it)."""
+        return self.batch.exp2 and not self.fused
 
     @property
     def offset(self) -> mx.array | int:
