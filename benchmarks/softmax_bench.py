@@ -1,4 +1,4 @@
-"""The softmax of attention on a CPU: MLX's ``exp`` against ``exp2_attention``'s powers of two.
+"""The softmax of attention on a CPU: MLX's ``exp`` against powers of two (grouped attention).
 
     python -m benchmarks.softmax_bench [--models embedded,100m] [--cached 0,1000,2000]
         [--new 1,64,200,512]
@@ -6,7 +6,7 @@
 First the element cost of ``mx.exp`` and ``mx.power(2, x)`` (ns an element, 2M float32), then
 one forward of each model: ``new`` tokens over ``cached`` tokens already in stock mlx_lm
 caches, with mlx_lm's attention (``mx.fast.scaled_dot_product_attention``) and with
-``kv.attention.exp2_attention`` (``--attention-softmax exp2``, the CPU default), alternating,
+``kv.attention.grouped_attention`` (``--attention-softmax exp2``, the CPU default), alternating,
 the median of ``--repeats``. ``new`` = 1 is a decode step. Prints a Markdown table.
 """
 
@@ -52,15 +52,15 @@ def element_costs(repeats: int) -> tuple[float, float]:
 
 def forward_ms(model: Any, cached: int, new: int, repeats: int, exp2: bool) -> float:
     """One forward of ``new`` tokens over ``cached`` tokens (stock caches, prefilled in
-    512-token chunks first), attention by MLX's or by ``exp2_attention``."""
+    512-token chunks first), attention by MLX's or by ``grouped_attention``."""
     import mlx.core as mx
     from mlx_lm.models import base
     from mlx_lm.models.cache import make_prompt_cache
 
-    from veloxquant_mlx.kv.attention import exp2_attention
+    from veloxquant_mlx.kv.attention import grouped_attention
 
     def ours(q: Any, k: Any, v: Any, cache: Any, scale: float, mask: Any, sinks: Any = None):
-        return exp2_attention(q, k, v, scale, mask)
+        return grouped_attention(q, k, v, scale, mask)
 
     module = __import__(type(model).__module__, fromlist=["x"])
     original = base.scaled_dot_product_attention

@@ -75,6 +75,21 @@ def test_the_exp2_softmax_is_auto_on_a_cpu_only_and_can_be_chosen():
         attention.choose("auto", softmax="exp10")
 
 
+def test_prefill_by_matmul_is_auto_on_cuda_only_and_can_be_chosen():
+    """cuDNN (CUDA) builds a graph per new prefill shape; Metal and the CPU have no such cost
+    (the CPU's prefill is grouped anyway, for its exp2 softmax)."""
+    cuda = attention.choose("auto", gpu=True, cuda=True)
+    assert cuda.prefill_matmul and cuda.prefill_route == "exp"
+    metal = attention.choose("auto", gpu=True, cuda=False)
+    assert not metal.prefill_matmul and metal.prefill_route is None
+    cpu = attention.choose("auto", gpu=False)
+    assert not cpu.prefill_matmul and cpu.prefill_route == "exp2"
+    assert attention.choose("auto", gpu=True, cuda=False, prefill="matmul").prefill_route == "exp"
+    assert attention.choose("sdpa", gpu=False, softmax="exp", prefill="sdpa").prefill_route is None
+    with pytest.raises(ValueError, match="prefill attention must be one of"):
+        attention.choose("auto", prefill="flash")
+
+
 def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d: int = 16):
     mx.random.seed(n_q * 1000 + length)
     return (
@@ -84,9 +99,12 @@ def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d
     )
 
 
+@pytest.mark.parametrize("exp2", [True, False])
 @pytest.mark.parametrize(("n_heads", "n_kv"), [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize(("n_q", "length"), [(1, 1), (1, 37), (7, 7), (9, 60)])
-def test_exp2_attention_equals_mlx_attention_under_every_mask_kind(n_heads, n_kv, n_q, length):
+def test_grouped_attention_equals_mlx_attention_under_every_mask_kind(
+    n_heads, n_kv, n_q, length, exp2
+):
     """No mask, "causal" (the queries are the last ``n_q`` positions), a bool mask per row, an
     additive one, and one per query head; what MLX's own gives, to float32 rounding."""
     q, k, v = prefill_qkv(n_q, n_heads, n_kv, length)
@@ -102,13 +120,27 @@ def test_exp2_attention_equals_mlx_attention_under_every_mask_kind(n_heads, n_kv
     ) | (cols[None, None] == 0)
     masks: list = [None, "causal", per_row, mx.where(per_row, 0.0, -mx.inf), per_head]
     for mask in masks:
-        ours = attention.exp2_attention(q, k, v, scale, mask)
+        ours = attention.grouped_attention(q, k, v, scale, mask, exp2)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         assert ours.shape == theirs.shape == (2, n_heads, n_q, 16)
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
 
 
-def test_exp2_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
+def test_grouped_attention_takes_a_long_chunk_in_pieces_of_queries(monkeypatch):
+    """Past ``SCORES_AT_ONCE`` scores the queries go in pieces, each with its rows of the
+    mask: the same numbers as at once."""
+    q, k, v = prefill_qkv(37, 8, 2, 90)
+    per_row = (mx.arange(37)[:, None] + 53) >= mx.arange(90)[None]
+    whole = [attention.grouped_attention(q, k, v, 0.25, m) for m in ("causal", per_row)]
+    monkeypatch.setattr(attention, "SCORES_AT_ONCE", 2 * 8 * 90 * 5)  # 5 queries a piece
+    for mask, expected in zip(("causal", per_row), whole, strict=True):
+        pieces = attention.grouped_attention(q, k, v, 0.25, mask)
+        assert mx.allclose(pieces, expected, atol=1e-6).item()
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        assert mx.allclose(pieces, theirs, atol=1e-5).item()
+
+
+def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
     """A left-padded row's padding queries see no position (prefill of several prompts in one
     forward): their output is 0, so no NaN reaches V's padding; the other queries' output is
     MLX's."""
@@ -116,7 +148,7 @@ def test_exp2_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
     for dtype in (mx.float32, mx.float16):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
         mask = mx.array([[True, False, False], [False, False, False], [True, True, True]])
-        ours = attention.exp2_attention(q, k, v, 0.25, mask[None, None])
+        ours = attention.grouped_attention(q, k, v, 0.25, mask[None, None])
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask[None, None])
         assert not mx.isnan(ours).any().item()
         assert (ours[:, :, 1] == 0).all().item()
@@ -124,9 +156,9 @@ def test_exp2_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
         assert mx.allclose(ours[:, :, seen], theirs[:, :, seen], atol=2e-3).item()
 
 
-def test_exp2_attention_keeps_a_half_precision_type_and_softmaxes_in_float32():
+def test_grouped_attention_keeps_a_half_precision_type_and_softmaxes_in_float32():
     q, k, v = (a.astype(mx.float16) for a in prefill_qkv(5, 4, 2, 30))
-    ours = attention.exp2_attention(q, k, v, 0.25, "causal")
+    ours = attention.grouped_attention(q, k, v, 0.25, "causal")
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert ours.dtype == mx.float16
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=2e-3).item()

@@ -106,7 +106,7 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
     calls = []
     exp2_queries = set()
     real = attention_module.matmul_attention
-    real_exp2 = attention_module.exp2_attention
+    real_exp2 = attention_module.grouped_attention
 
     def counted(*args):
         calls.append(args[0].shape[0])
@@ -117,7 +117,7 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
         return real_exp2(*args)
 
     monkeypatch.setattr(attention_module, "matmul_attention", counted)
-    monkeypatch.setattr(attention_module, "exp2_attention", counted_exp2)
+    monkeypatch.setattr(attention_module, "grouped_attention", counted_exp2)
     path, model = arch_model
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]
@@ -131,6 +131,32 @@ def test_greedy_tokens_match_stock_caches_with_rows_joining_and_leaving(
         assert not calls
     if mx.default_device() != mx.gpu:  # prefill (several queries) and decode (one)
         assert 1 in exp2_queries and max(exp2_queries) > 1
+
+
+def test_prefill_by_matmul_with_mlx_softmax_matches_stock_caches(arch_model, monkeypatch):
+    """``--prefill-attention matmul --attention-softmax exp`` (CUDA's auto): prefill chunks
+    attend by ``grouped_attention`` with MLX's ``exp``, decode steps by MLX's own."""
+    from veloxquant_mlx.kv import attention as attention_module
+
+    routes = set()
+    real = attention_module.grouped_attention
+
+    def counted(*args):
+        routes.add((args[0].shape[2] > 1, args[5]))
+        return real(*args)
+
+    monkeypatch.setattr(attention_module, "grouped_attention", counted)
+    path, model = arch_model
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 40, 23, 9)]
+    lengths = [9, 6, 12, 4]
+    ours = serve_greedy(
+        path, prompts, lengths, kv_layout="dense", attention_softmax="exp",
+        prefill_attention="matmul",
+    )  # fmt: skip
+    for p, n, got in zip(prompts, lengths, ours, strict=True):
+        assert got == stock_tokens(model, p, n)
+    assert routes == {(True, False)}  # prefill only, MLX's exp
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])

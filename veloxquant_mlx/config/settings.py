@@ -124,6 +124,12 @@ class Settings(BaseSettings):
         "exp2 (as powers of two: MLX's CPU exp is about 2.5x slower than its power), auto "
         "(exp2 on a CPU, exp on a GPU).",
     )
+    prefill_attention: Literal["auto", "sdpa", "matmul"] = Field(
+        "auto",
+        description="How a prefill chunk attends: sdpa (MLX's; on CUDA cuDNN, which builds a "
+        "graph for every new chunk and context length, ~60 ms), matmul (plain products, "
+        "KV heads' query heads as rows), auto (matmul on CUDA, sdpa elsewhere).",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

@@ -55,6 +55,9 @@ class EngineConfig:
     # The softmax of the engine's attention (kv/attention.py): "exp" (MLX's), "exp2" (powers
     # of two), "auto" (exp2 on a CPU, where MLX's exp is slow; exp on a GPU).
     attention_softmax: str = "auto"
+    # How the engine's prefill chunks attend (kv/attention.py): "sdpa" (MLX's), "matmul"
+    # (grouped products), "auto" (matmul on CUDA, where cuDNN builds a graph per new shape).
+    prefill_attention: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

@@ -13,14 +13,22 @@ as in serving (BENCHMARKS.md, "Ragged rows"): even with the mask path at 8 rows,
 1.66x at 128. On a CPU both are the same ops, so ``auto`` keeps MLX's own there, and on a GPU
 takes matmul from ``AUTO_MATMUL_MIN_ROWS`` rows.
 
-On a CPU the cost is elsewhere: MLX's CPU ``exp`` (0.32) takes about 12 ns an element, 55x a
-multiply, and ``mx.power(2, x)`` about 2.5x less, to within an ulp. A prefill chunk of the
-engine's own (200 tokens over 2,000 cached, tiny model) spends three quarters of its forward in
-the softmax's ``exp``. ``exp2_attention`` is the same attention with the softmax taken as powers
-of two (the query scaled by ``log2(e)``) and normalised after the product with V (a pass over
-``[queries, keys]`` fewer); ``--attention-softmax auto`` takes it on a CPU, for the engine's
-prefill chunks and decode steps (1.56x that forward, 1.1x a decode step at 2,000 positions;
-BENCHMARKS.md).
+``grouped_attention`` is attention in plain products for any number of queries (a KV head's
+query heads as the rows of one product), for two costs MLX's own has:
+
+- On a CPU, MLX's ``exp`` (0.32) takes about 12 ns an element, 55x a multiply, and
+  ``mx.power(2, x)`` about 2.5x less, to within an ulp. A prefill chunk of the engine's own (200
+  tokens over 2,000 cached, tiny model) spends three quarters of its forward in the softmax's
+  ``exp``. With ``exp2`` the softmax is taken as powers of two (the query scaled by
+  ``log2(e)``) and normalised after the product with V (a pass over ``[queries, keys]`` fewer);
+  ``--attention-softmax auto`` takes it on a CPU, for the engine's prefill chunks and decode
+  steps (1.2-1.5x that forward at 1,000-2,000 cached tokens; BENCHMARKS.md).
+- On CUDA, MLX hands a prefill chunk's causal attention to cuDNN, which builds a graph for
+  every new shape: 53-70 ms the first time a (chunk, keys) shape is met, 0.3 ms after, on an
+  H200. An agent's every turn is a new shape (its new tokens over its whole context), so each
+  turn paid it, and so did every stream decoding beside it. ``--prefill-attention auto`` takes
+  ``grouped_attention`` (MLX's ``exp``) for the engine's prefill chunks there: 0.7-1.7 ms a
+  layer at 2,000-8,000 keys, 2-4 ms for a new shape.
 
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
 ``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
@@ -45,6 +53,10 @@ from veloxquant_mlx.kv.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
 SOFTMAXES = ("auto", "exp", "exp2")
+PREFILLS = ("auto", "sdpa", "matmul")
+# ``grouped_attention`` takes at most this many scores ([queries, keys] per head, float32) at
+# once: a longer chunk over a long context goes in pieces of queries
+SCORES_AT_ONCE = 2**26
 LOG2E = 1.4426950408889634
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
 # are even within a step and MLX's was ahead end to end; from 32 rows matmul is ahead)
@@ -57,11 +69,21 @@ class RaggedAttention:
     """How a decode step whose rows sit at different positions attends: by ``mode`` ("sdpa",
     MLX's masked attention, or "matmul", ``matmul_attention``), matmul from ``min_rows`` rows;
     with ``exp2``, every attention of the engine's own caches (prefill chunks too) is
-    ``exp2_attention``."""
+    ``grouped_attention`` with the softmax as powers of two; with ``prefill_matmul``, the
+    engine's prefill chunks are ``grouped_attention`` (cuDNN's per-shape graphs avoided)."""
 
     mode: str = "sdpa"
     min_rows: int = 1
     exp2: bool = False
+    prefill_matmul: bool = False
+
+    @property
+    def prefill_route(self) -> str | None:
+        """How the engine's prefill caches attend (``vq_route``): "exp2", "exp" (grouped, MLX's
+        softmax) or None (MLX's attention)."""
+        if self.exp2:
+            return "exp2"
+        return "exp" if self.prefill_matmul else None
 
     def uses_matmul(self, rows: int) -> bool:
         return self.mode == "matmul" and rows >= self.min_rows
@@ -74,24 +96,36 @@ class RaggedAttention:
         return f"matmul>={self.min_rows}"
 
 
-def choose(requested: str, gpu: bool | None = None, softmax: str = "auto") -> RaggedAttention:
-    """The policy for ``requested`` ("auto", "sdpa" or "matmul") and ``softmax`` ("auto",
-    "exp" or "exp2"): ``auto`` is the measured best for the device (``gpu``; default: MLX's
-    default device): matmul from ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU,
-    where both are the same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast)."""
-    if requested not in MODES:
-        raise ValueError(f"ragged attention must be one of {', '.join(MODES)}, got {requested!r}")
-    if softmax not in SOFTMAXES:
-        raise ValueError(
-            f"attention softmax must be one of {', '.join(SOFTMAXES)}, got {softmax!r}"
-        )
+def choose(
+    requested: str,
+    gpu: bool | None = None,
+    softmax: str = "auto",
+    prefill: str = "auto",
+    cuda: bool | None = None,
+) -> RaggedAttention:
+    """The policy for ``requested`` ("auto", "sdpa" or "matmul"), ``softmax`` ("auto", "exp"
+    or "exp2") and ``prefill`` ("auto", "sdpa" or "matmul"): ``auto`` is the measured best for
+    the device (``gpu``, ``cuda``; default: MLX's default device and backend): ragged steps by
+    matmul from ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU, where both are the
+    same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast); prefill by matmul on
+    CUDA only (cuDNN's per-shape graphs; Metal's attention has none)."""
+    for value, allowed, what in (
+        (requested, MODES, "ragged attention"),
+        (softmax, SOFTMAXES, "attention softmax"),
+        (prefill, PREFILLS, "prefill attention"),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
     on_gpu = mx.default_device() == mx.gpu if gpu is None else gpu
+    if cuda is None:
+        cuda = on_gpu and bool(getattr(getattr(mx, "cuda", None), "is_available", bool)())
     exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
+    prefill_matmul = prefill == "matmul" or (prefill == "auto" and cuda)
     if requested != "auto":
-        return RaggedAttention(requested, exp2=exp2)
+        return RaggedAttention(requested, exp2=exp2, prefill_matmul=prefill_matmul)
     if on_gpu:
-        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2)
-    return RaggedAttention("sdpa", exp2=exp2)
+        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul)
+    return RaggedAttention("sdpa", exp2=exp2, prefill_matmul=prefill_matmul)
 
 
 def matmul_attention(
@@ -122,33 +156,58 @@ def matmul_attention(
     return (weights @ values).reshape(b, n_heads, 1, values.shape[-1])
 
 
-def exp2_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+def grouped_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Any,
+    exp2: bool = True,
 ) -> mx.array:
     """Attention of ``queries [B, H, N, D]`` over ``keys``/``values`` ``[B, H_kv, L, D]``
-    (the last ``N`` of the ``L`` positions are the queries' own), with the softmax taken as
-    powers of two. ``mask``: None, "causal", or a bool (True = attend) or additive array that
-    broadcasts to ``[B, 1 or H, N, L]``. A KV head's query heads are the rows of one product
-    (K and V read in place, no broadcast over heads); the softmax is in float32, as MLX's
-    ``precise`` one; the weights are normalised after the product with V. A query that sees no
-    position gets 0 (MLX's gives V's mean there; such queries are padding).
+    (the last ``N`` of the ``L`` positions are the queries' own), in plain products: a KV
+    head's query heads are the rows of one product (K and V read in place, no broadcast over
+    heads). ``mask``: None, "causal", or a bool (True = attend) or additive array that
+    broadcasts to ``[B, 1 or H, N, L]``. The softmax is in float32, as MLX's ``precise`` one,
+    with ``exp2`` as powers of two, else MLX's ``exp``; the weights are normalised after the
+    product with V. A query that sees no position gets 0 (MLX's gives V's mean there; such
+    queries are padding). More than ``SCORES_AT_ONCE`` scores go in pieces of queries.
 
     Cost: two products of ``B * H * N * L * D`` each and five passes over ``[B, H, N, L]``.
     Lazy: builds the graph only, like any MLX op."""
-    b, n_heads, n_q, d = queries.shape
-    n_kv, length = keys.shape[1], keys.shape[2]
-    rep = n_heads // n_kv
-    q = (queries * mx.array(scale * LOG2E, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
-    scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
-    if scores.dtype != mx.float32:
-        scores = scores.astype(mx.float32)
+    b, n_heads, n_q, _ = queries.shape
+    length = keys.shape[2]
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
-        if n_q > 1:
-            mask = (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(length)[None]
-        else:
-            mask = None
+        mask = (
+            (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(length)[None]
+            if n_q > 1
+            else None
+        )
+    step = max(1, SCORES_AT_ONCE // max(1, b * n_heads * length))
+    if n_q <= step:
+        return _grouped(queries, keys, values, scale, mask, exp2)
+    pieces = []
+    for i in range(0, n_q, step):
+        m = mask
+        if m is not None and m.ndim >= 2 and m.shape[-2] == n_q:
+            m = m[..., i : i + step, :]
+        pieces.append(_grouped(queries[:, :, i : i + step], keys, values, scale, m, exp2))
+    return mx.concatenate(pieces, axis=2)
+
+
+def _grouped(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, exp2: bool
+) -> mx.array:
+    b, n_heads, n_q, d = queries.shape
+    n_kv, length = keys.shape[1], keys.shape[2]
+    rep = n_heads // n_kv
+    base = LOG2E if exp2 else 1.0
+    q = (queries * mx.array(scale * base, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
+    scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
+    if scores.dtype != mx.float32:
+        scores = scores.astype(mx.float32)
     if mask is not None:
         m = mask
         while m.ndim < 4:
@@ -157,12 +216,13 @@ def exp2_attention(
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, mx.array(-float("inf"), scores.dtype))
         else:
-            scores = scores + (m * LOG2E).astype(scores.dtype)
+            scores = scores + (m * base).astype(scores.dtype)
     # A row of padding that sees nothing (several prompts in one left-padded forward): its max
     # is -inf; clamped, its weights are all 0 and its output 0, not NaN (which would reach V's
     # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 5x slower there.
     top = mx.maximum(scores.max(axis=-1, keepdims=True), mx.finfo(mx.float32).min)
-    weights = mx.power(mx.array(2.0, mx.float32), scores - top)
+    shifted = scores - top
+    weights = mx.power(mx.array(2.0, mx.float32), shifted) if exp2 else mx.exp(shifted)
     total = weights.sum(axis=-1, keepdims=True).reshape(b, n_kv, rep * n_q, 1)
     total = mx.maximum(total, 1.0)  # >= 1 wherever a position is seen (the top one's 2^0)
     weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
@@ -219,12 +279,13 @@ def _routed(original: Any) -> Any:
             and queries.shape[2] == 1
         ):
             return matmul_attention(queries, keys, values, scale, mask)
+        route = getattr(cache, "vq_route", None)  # the engine's own caches: kv.step, runner
         if (
-            getattr(cache, "vq_exp2", False)
+            route is not None
             and not hasattr(cache, "bits")  # quantized KV: mlx_lm's quantized attention
             and sinks is None
         ):
-            return exp2_attention(queries, keys, values, scale, mask)
+            return grouped_attention(queries, keys, values, scale, mask, route == "exp2")
         return original(queries, keys, values, cache, scale, mask, sinks)
 
     scaled_dot_product_attention._vq_ragged = True  # type: ignore[attr-defined]

@@ -28,7 +28,8 @@ class StepBatch:
         positions: Where each row's new token goes (= its tokens already in KV), [rows].
         matmul: A masked step attends through ``kv.attention.matmul_attention``.
         width_chunk: A masked step reads its keys in multiples of this many positions.
-        exp2: Every layer attends through ``kv.attention.exp2_attention`` (the CPU's softmax).
+        exp2: Every layer attends through ``kv.attention.grouped_attention`` with its softmax
+            as powers of two (the CPU's).
 
     ``width`` is the positions every row's keys span after the write (max position + 1);
     ``read_width`` what a step reads and masks: ``width``, rounded up to ``width_chunk`` when
@@ -139,9 +140,11 @@ class StepCache:
             self.bits, self.group_size = codec.bits, codec.group_size
 
     @property
-    def vq_exp2(self) -> bool:
-        """The routed attention takes ``exp2_attention`` (as prefill caches that carry it)."""
-        return self.batch.exp2 and not self.fused
+    def vq_route(self) -> str | None:
+        """How the routed attention takes this step (``kv.attention``): "exp2" (grouped, the
+        softmax as powers of two) or None (as the step's policy says). Prefill caches carry
+        the same attribute (``Runner``)."""
+        return "exp2" if self.batch.exp2 and not self.fused else None
 
     @property
     def offset(self) -> mx.array | int:

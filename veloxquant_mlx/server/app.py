@@ -56,6 +56,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_recent_tokens=settings.kv_recent_tokens,
         ragged_attention=settings.ragged_attention,
         attention_softmax=settings.attention_softmax,
+        prefill_attention=settings.prefill_attention,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,
         prefix_cache_answers=settings.prefix_cache_answers,

@@ -141,8 +141,8 @@ class Runner:
         """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
         with (found at admission): its cached pages', then what the disk tier loaded."""
         caches = [KVCache() for _ in range(self._n_layers)]
-        for cache in caches:  # the routed attention's softmax (kv.attention.exp2_attention)
-            cache.vq_exp2 = self.kv.ragged.exp2  # type: ignore[attr-defined]
+        for cache in caches:  # how the routed attention takes them (kv.attention)
+            cache.vq_route = self.kv.ragged.prefill_route  # type: ignore[attr-defined]
         if not n_cached:
             return caches
         n_pages = seq.pages.n_known
@@ -173,7 +173,7 @@ class Runner:
         tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         for cache in caches:
-            cache.vq_exp2 = self.kv.ragged.exp2
+            cache.vq_route = self.kv.ragged.prefill_route
         logits = self.model(tokens, cache=caches)[:, -1, :]
         sampled = self._sample_first(list(seqs), logits)
         for i, seq in enumerate(seqs):

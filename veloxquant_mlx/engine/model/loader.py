@@ -316,10 +316,12 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             "MiB: raise --kv-cache-mb or --n-blocks, or lower --default-max-tokens"
         )
     layout = kv_layout(cfg.kv_layout)
-    ragged = attention.choose(cfg.ragged_attention, softmax=cfg.attention_softmax)
+    ragged = attention.choose(
+        cfg.ragged_attention, softmax=cfg.attention_softmax, prefill=cfg.prefill_attention
+    )
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
     # routed attention (fused_attention installed it already for a fused layout)
-    if ragged.mode == "matmul" or ragged.exp2:
+    if ragged.mode == "matmul" or ragged.prefill_route is not None:
         attention.install(model)
     kv = make_kv(
         layout,
@@ -359,7 +361,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     blas = blas_in_use()
     log.info(
         "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV %s in "
-        "layout %s, ragged attention %s, softmax %s, prefix caching %s, BLAS %s",
+        "layout %s, ragged attention %s, softmax %s, prefill attention %s, prefix caching %s, "
+        "BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
@@ -375,6 +378,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         layout + (" (fused attention)" if fused else ""),
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
+        "matmul" if ragged.prefill_route is not None else "sdpa",
         "on" if cfg.prefix_caching else "off",
         blas,
     )
