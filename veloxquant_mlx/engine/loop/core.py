@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.loop.clock import TurnClock
 from veloxquant_mlx.engine.loop.commands import (
     Command,
     GroupPools,
@@ -111,6 +112,7 @@ class EngineCore:
         # leaves the CPU idle while the host reads back (~0.9x tok/s at 32 clients); nor on a
         # GPU, where the launch returns at once and the first tokens are read while it runs.
         self._first_tokens_first = mx.default_device() == mx.cpu
+        self._clock = TurnClock()  # a slow turn's phases, at debug level
 
     # ------------------------------------------------------------------ loop
 
@@ -204,8 +206,10 @@ class EngineCore:
 
     def _turn(self) -> None:
         """One step: the scheduler's plan, carried out (schedule -> run -> deliver)."""
-        sched, runner = self.scheduler, self.runner
+        sched, runner, clock = self.scheduler, self.runner, self._clock
+        clock.start()
         plan = sched.schedule()
+        clock.mark()
         for seq in plan.unservable:
             self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
         for seq, configured in plan.outgrown:
@@ -229,7 +233,9 @@ class EngineCore:
             plan.together = [s for s in plan.together if s.request_id in self._live]
             plan.chunks = [c for c in plan.chunks if c.seq.request_id in self._live]
         results = runner.prefill(plan)
+        clock.mark()
         launched = runner.step(sched.max_block_id) if runner.rows else None
+        clock.mark()
         sched.decoded(runner.rows)
         if self._first_tokens_first and len(runner.rows) <= FIRST_TOKENS_FIRST_ROWS:
             for sampled in results:
@@ -241,10 +247,18 @@ class EngineCore:
                 # step's inputs (synchronize, not its tokens: they are ready before that).
                 mx.synchronize()
             runner.launch(launched)
+        clock.mark()
         # Read back what was launched before this step (and prefills' first tokens) while the
         # new step runs.
         for sampled in [*self._inflight, *results]:
             self._absorb(sampled)
+        clock.mark()
+        clock.report(
+            len(runner.rows),
+            sum(c.n for c in plan.chunks) + sum(len(s.tokens) for s in plan.together),
+            len(plan.chunks),
+            len(plan.together),
+        )
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()
