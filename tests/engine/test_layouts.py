@@ -160,6 +160,56 @@ def test_prefill_by_matmul_with_mlx_softmax_matches_stock_caches(arch_model, mon
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_padded_prefill_widths_match_stock_caches(arch_model, layout, monkeypatch):
+    """``--prefill-bucket`` (CUDA's default 64): each chunk, and prompts prefilled together,
+    padded at the end (left for the together ones) to a multiple of 16 here; the prompt never
+    sees the padding and the caches drop it, so the tokens are stock's, and the model only
+    ever sees widths of that multiple."""
+    widths = set()
+    from mlx_lm.models import cache as cache_module
+
+    original = cache_module.KVCache.update_and_fetch
+
+    def seen(self, keys, values):
+        widths.add(keys.shape[2])
+        return original(self, keys, values)
+
+    monkeypatch.setattr(cache_module.KVCache, "update_and_fetch", seen)
+    path, model = arch_model
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17)]
+    lengths = [7, 5, 9, 6, 8, 4]
+    ours = serve_greedy(path, prompts, lengths, kv_layout=layout, prefill_bucket=16)
+    monkeypatch.setattr(cache_module.KVCache, "update_and_fetch", original)
+    for p, n, got in zip(prompts, lengths, ours, strict=True):
+        assert got == stock_tokens(model, p, n)
+    widths.discard(1)  # the loader's one-token probe of the model's geometry (sizing.py)
+    assert widths and all(w % 16 == 0 for w in widths), widths
+
+
+def test_a_padded_prefill_caches_only_the_prompt(arch_model):
+    """The pages a padded prefill leaves in the prefix cache hold the prompt's KV alone: the
+    same prompt again hits them and gives stock's tokens."""
+    path, model = arch_model
+    prompt = tuple(random.Random(8).randrange(3, 2000) for _ in range(41))
+    config = EngineConfig(
+        model=str(path), kv_cache_mb=16, prefill_step=16, prefill_bucket=16, kv_layout="dense"
+    )
+    engine = Engine(config).start()
+    try:
+        engine.wait_ready(120)
+        greedy = SamplingParams(temperature=0.0)
+        for cached in (0, 32):
+            tokens, finish = engine.submit(GenerationRequest(prompt, 6, greedy)).collect(120)
+            assert [t.token_id for t in tokens] == stock_tokens(model, list(prompt), 6)
+            assert finish.usage.cached_tokens == cached
+        wait_idle(engine)
+        assert_engine_all_free(engine)
+    finally:
+        engine.shutdown(5)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_rows_at_one_position_match_stock_caches(arch_model, layout):
     """One stream alone, and rows that joined together (every row at the same position): the
     step then runs without a mask where every row sees all its positions, and writes the new

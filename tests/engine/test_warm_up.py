@@ -32,6 +32,15 @@ def test_the_waves_cover_every_batch_size_and_a_chunked_prompt():
     assert max(len(r.prompt_tokens) for w in short for r in w) <= 100 - 3
 
 
+def test_with_padded_prefill_widths_every_bucketed_width_is_met():
+    waves = warm_up_waves(
+        max_running=2, prefill_step=256, context_window=4096, vocab_size=2048,
+        prefill_budget=128, bucket=64,
+    )  # fmt: skip
+    lengths = {len(r.prompt_tokens) for w in waves for r in w}
+    assert {64, 128, 192, 256} <= lengths
+
+
 def test_auto_warms_up_on_a_gpu_only():
     assert wanted("on") and not wanted("off")
     assert wanted("auto") is False  # this suite runs MLX on a CPU

@@ -58,6 +58,9 @@ class EngineConfig:
     # How the engine's prefill chunks attend (kv/attention.py): "sdpa" (MLX's), "matmul"
     # (grouped products), "auto" (matmul on CUDA, where cuDNN builds a graph per new shape).
     prefill_attention: str = "auto"
+    # Prefill widths padded to a multiple of this (cuBLAS plans per shape); None: 64 on CUDA,
+    # 0 (none) elsewhere (kv/attention.py).
+    prefill_bucket: int | None = None
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

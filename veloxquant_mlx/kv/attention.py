@@ -57,6 +57,10 @@ PREFILLS = ("auto", "sdpa", "matmul")
 # ``grouped_attention`` takes at most this many scores ([queries, keys] per head, float32) at
 # once: a longer chunk over a long context goes in pieces of queries
 SCORES_AT_ONCE = 2**26
+# On CUDA a prefill's width (its tokens) is padded to a multiple of this: cuBLAS plans every
+# product per shape, 4-5 ms the first time a width is met on an H200 (0.16 ms after), and an
+# agent's every turn had a new width; padded, a server meets at most chunk / 64 widths
+CUDA_PREFILL_BUCKET = 64
 LOG2E = 1.4426950408889634
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
 # are even within a step and MLX's was ahead end to end; from 32 rows matmul is ahead)
@@ -76,6 +80,7 @@ class RaggedAttention:
     min_rows: int = 1
     exp2: bool = False
     prefill_matmul: bool = False
+    prefill_bucket: int = 0  # prefill widths padded to a multiple of this (0: not padded)
 
     @property
     def prefill_route(self) -> str | None:
@@ -102,13 +107,15 @@ def choose(
     softmax: str = "auto",
     prefill: str = "auto",
     cuda: bool | None = None,
+    bucket: int | None = None,
 ) -> RaggedAttention:
     """The policy for ``requested`` ("auto", "sdpa" or "matmul"), ``softmax`` ("auto", "exp"
     or "exp2") and ``prefill`` ("auto", "sdpa" or "matmul"): ``auto`` is the measured best for
     the device (``gpu``, ``cuda``; default: MLX's default device and backend): ragged steps by
     matmul from ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU, where both are the
     same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast); prefill by matmul on
-    CUDA only (cuDNN's per-shape graphs; Metal's attention has none)."""
+    CUDA only (cuDNN's per-shape graphs; Metal's attention has none), and there prefill widths
+    padded to multiples of ``CUDA_PREFILL_BUCKET`` (``bucket``: that multiple, 0 none)."""
     for value, allowed, what in (
         (requested, MODES, "ragged attention"),
         (softmax, SOFTMAXES, "attention softmax"),
@@ -121,11 +128,15 @@ def choose(
         cuda = on_gpu and bool(getattr(getattr(mx, "cuda", None), "is_available", bool)())
     exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
     prefill_matmul = prefill == "matmul" or (prefill == "auto" and cuda)
+    if bucket is None:
+        bucket = CUDA_PREFILL_BUCKET if cuda else 0
+    if bucket < 0:
+        raise ValueError(f"the prefill bucket must be 0 or more, got {bucket}")
     if requested != "auto":
-        return RaggedAttention(requested, exp2=exp2, prefill_matmul=prefill_matmul)
+        return RaggedAttention(requested, 1, exp2, prefill_matmul, bucket)
     if on_gpu:
-        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul)
-    return RaggedAttention("sdpa", exp2=exp2, prefill_matmul=prefill_matmul)
+        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul, bucket)
+    return RaggedAttention("sdpa", 1, exp2, prefill_matmul, bucket)
 
 
 def matmul_attention(

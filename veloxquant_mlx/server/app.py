@@ -57,6 +57,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         ragged_attention=settings.ragged_attention,
         attention_softmax=settings.attention_softmax,
         prefill_attention=settings.prefill_attention,
+        prefill_bucket=settings.prefill_bucket,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,
         prefix_cache_answers=settings.prefix_cache_answers,

@@ -189,6 +189,7 @@ class Engine(HostBase):
                 info.context_window,
                 info.vocab_size,
                 self._core.scheduler.prefill_budget,
+                self._core.runner.kv.ragged.prefill_bucket,
             )
             try:
                 n = self._core.warm_up(waves)

@@ -124,14 +124,18 @@ class Runner:
         assert state is not None
         if state.caches is None:
             state.caches = self._start_caches(seq, chunk.start)
-        tokens = seq.tokens
-        logits = self.model(
-            mx.array([tokens[chunk.start : chunk.start + chunk.n]]), cache=state.caches
-        )
+        tokens = seq.tokens[chunk.start : chunk.start + chunk.n]
+        # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
+        # prompt's tokens never see the padding (causal), which is trimmed off the caches after
+        extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
+        logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
+        if extra:
+            for cache in state.caches:
+                cache.trim(extra)
         if not chunk.completes:  # the next chunk builds on these: start them now
             mx.async_eval([(c.keys, c.values) for c in state.caches])
             return None
-        sampled = self._sample_first([seq], logits[:, -1, :])
+        sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
         self._join(seq)
         state.next_input = sampled.tokens
         mx.async_eval(sampled.tokens)
@@ -169,6 +173,9 @@ class Runner:
         forward instead of one each."""
         lengths = [len(s.tokens) for s in seqs]
         width = max(lengths)
+        bucket = self.kv.ragged.prefill_bucket
+        if bucket:  # more left padding, as in a chunk (``prefill_chunk``)
+            width += -width % bucket
         padding = [width - n for n in lengths]
         tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]

@@ -4,8 +4,9 @@ MLX compiles a kernel the first time it meets a shape (on a GPU: seconds for the
 a fresh install; later processes find them in its cache), so without this the first users of a
 new server pay those compiles on the request path. The engine runs, before ``ready``, waves of
 synthetic requests: every batch size from 1 up to ``max_running`` in powers of two, a prompt of
-one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding) and one
-of several chunks, and a sampled request with penalties, top-k/top-p
+one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding; with
+prefill widths padded to a bucket, every bucketed width up to them) and one of several
+chunks, and a sampled request with penalties, top-k/top-p
 and logprobs; then it drops what they left (cached pages, counters). Engine thread only.
 """
 
@@ -37,10 +38,12 @@ def warm_up_waves(
     context_window: int | None,
     vocab_size: int,
     prefill_budget: int | None = None,
+    bucket: int = 0,
 ) -> list[list[GenerationRequest]]:
     """The warm-up's waves, run one after the other (each to its end, so each batch size is
     met). Prompts differ from each other, so no prefix-cache hit changes a shape. The chunk
-    widths met are ``prefill_step`` and, while others decode, ``prefill_budget``."""
+    widths met are ``prefill_step`` and, while others decode, ``prefill_budget``; with
+    ``bucket`` (prefill widths padded to its multiples), each multiple up to the larger."""
     waves: list[list[GenerationRequest]] = []
     serial = 0
 
@@ -59,7 +62,10 @@ def warm_up_waves(
         waves.append([GenerationRequest(prompt(PROMPT), DECODE, greedy) for _ in range(size)])
     window = context_window or 1 << 30
     chunk = min(prefill_budget or prefill_step, prefill_step)
-    for n in sorted({chunk, prefill_step, 2 * prefill_step + PROMPT}):
+    widths = {chunk, prefill_step, 2 * prefill_step + PROMPT}
+    if bucket:
+        widths |= set(range(bucket, max(chunk, prefill_step) + 1, bucket))
+    for n in sorted(widths):
         if n + DECODE <= window:
             waves.append([GenerationRequest(prompt(n), DECODE, greedy)])
     sampled = SamplingParams(

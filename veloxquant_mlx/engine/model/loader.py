@@ -317,7 +317,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
     layout = kv_layout(cfg.kv_layout)
     ragged = attention.choose(
-        cfg.ragged_attention, softmax=cfg.attention_softmax, prefill=cfg.prefill_attention
+        cfg.ragged_attention,
+        softmax=cfg.attention_softmax,
+        prefill=cfg.prefill_attention,
+        bucket=cfg.prefill_bucket,
     )
     fused = fused_attention(cfg.paged_attention, layout, model, geometry, cfg.block_size)
     # routed attention (fused_attention installed it already for a fused layout)
