@@ -32,6 +32,16 @@ def test_the_waves_cover_every_batch_size_and_a_chunked_prompt():
     assert max(len(r.prompt_tokens) for w in short for r in w) <= 100 - 3
 
 
+def test_a_wave_decodes_rows_at_different_positions_beside_a_chunked_prompt():
+    waves = warm_up_waves(max_running=6, prefill_step=64, context_window=2048, vocab_size=2048)
+    ragged = [w for w in waves if len({len(r.prompt_tokens) for r in w}) > 2]
+    assert sorted(len(w) for w in ragged) == [3, 7]  # 2 and max_running rows, plus the prompt
+    for wave in ragged:
+        *rows, prompt = wave
+        assert len({len(r.prompt_tokens) for r in rows}) == len(rows)  # all different
+        assert len(prompt.prompt_tokens) > 64 and all(r.max_tokens > 3 for r in rows)
+
+
 def test_with_padded_prefill_widths_every_bucketed_width_is_met():
     waves = warm_up_waves(
         max_running=2, prefill_step=256, context_window=4096, vocab_size=2048,

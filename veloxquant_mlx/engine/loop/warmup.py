@@ -6,7 +6,8 @@ new server pay those compiles on the request path. The engine runs, before ``rea
 synthetic requests: every batch size from 1 up to ``max_running`` in powers of two, a prompt of
 one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding; with
 prefill widths padded to a bucket, every bucketed width up to them) and one of several
-chunks, and a sampled request with penalties, top-k/top-p
+chunks; rows at different positions (the masked decode step) beside a prompt prefilled in
+chunks, at 2 rows and at ``max_running``; and a sampled request with penalties, top-k/top-p
 and logprobs; then it drops what they left (cached pages, counters). Engine thread only.
 """
 
@@ -20,6 +21,7 @@ from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 WARM_UP_ID = 1 << 62
 PROMPT = 8  # tokens of a decode wave's prompts
 DECODE = 3  # tokens each request generates
+RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
 
 
 def wanted(mode: str) -> bool:
@@ -68,6 +70,20 @@ def warm_up_waves(
     for n in sorted(widths):
         if n + DECODE <= window:
             waves.append([GenerationRequest(prompt(n), DECODE, greedy)])
+    # Rows that joined at different times decode at different positions: a masked step, which
+    # the waves above (rows of one wave, one length) never meet; and while they decode, a
+    # prompt of several chunks goes in beside them. A fresh H200 server paid 3-4 s of compiles
+    # on such steps in its first agent turns (the slow-step log, BENCHMARKS.md).
+    long = chunk + PROMPT
+    for rows in sorted({min(2, max_running), max_running}):
+        if long + RAGGED_DECODE <= window:
+            waves.append(
+                [
+                    GenerationRequest(prompt(PROMPT + 3 * i), RAGGED_DECODE, greedy)
+                    for i in range(rows)
+                ]
+                + [GenerationRequest(prompt(long), DECODE, greedy)]
+            )
     sampled = SamplingParams(
         temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.1
     )
