@@ -39,7 +39,10 @@ def test_a_wave_decodes_rows_at_different_positions_beside_a_chunked_prompt():
     for wave in ragged:
         *rows, prompt = wave
         assert len({len(r.prompt_tokens) for r in rows}) == len(rows)  # all different
+        assert max(len(r.prompt_tokens) for r in rows) <= 8 + 15  # short, however many rows
         assert len(prompt.prompt_tokens) > 64 and all(r.max_tokens > 3 for r in rows)
+    wide = warm_up_waves(max_running=1024, prefill_step=64, context_window=None, vocab_size=99)
+    assert max(len(r.prompt_tokens) for w in wide for r in w if len(w) > 1000) <= 64 + 8
 
 
 def test_with_padded_prefill_widths_every_bucketed_width_is_met():

@@ -33,12 +33,14 @@ query heads as the rows of one product), for two costs MLX's own has:
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
 ``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
 
-``install`` routes a model's attention calls to it: it wraps the ``scaled_dot_product_attention``
-that the model's modules import from ``mlx_lm.models.base``, and the wrapper takes only calls
-whose cache is a ``StepCache`` of a step that asked for it (``StepBatch.matmul``), with an
-array mask and no sinks; every other call (prefill, stock caches, any other caller of mlx_lm
-in the process) goes to the original unchanged. Models that call ``mx.fast`` directly keep the
-mask path.
+``install`` routes a model's attention calls to them: it wraps the
+``scaled_dot_product_attention`` that the model's modules import from ``mlx_lm.models.base``,
+and the wrapper takes only calls whose cache is the engine's own: a ``StepCache`` of a step
+that asked for matmul (``StepBatch.matmul``, an array mask), or a cache that carries a
+``vq_route`` ("exp2" or "exp": the engine's prefill caches, and a ``StepCache`` under the exp2
+softmax), with no sinks and not quantized; every other call (stock caches, any other caller of
+mlx_lm in the process) goes to the original unchanged. Models that call ``mx.fast`` directly
+keep MLX's attention.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ def _grouped(
             scores = scores + (m * base).astype(scores.dtype)
     # A row of padding that sees nothing (several prompts in one left-padded forward): its max
     # is -inf; clamped, its weights are all 0 and its output 0, not NaN (which would reach V's
-    # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 5x slower there.
+    # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 3x slower there.
     top = mx.maximum(scores.max(axis=-1, keepdims=True), mx.finfo(mx.float32).min)
     shifted = scores - top
     weights = mx.power(mx.array(2.0, mx.float32), shifted) if exp2 else mx.exp(shifted)
@@ -242,8 +244,9 @@ def _grouped(
 
 
 def install(model: Any) -> int:
-    """Route ``model``'s ragged decode attention through ``matmul_attention`` where its step
-    asks for it (``cache.batch.matmul``): each of the model's modules that imported mlx_lm's
+    """Route ``model``'s attention over the engine's own caches (``matmul_attention`` where a
+    step asks for it, ``grouped_attention`` where a cache carries a ``vq_route``, the fused
+    paged read): each of the model's modules that imported mlx_lm's
     ``scaled_dot_product_attention`` gets the routing wrapper in its place. Idempotent; safe for
     every other caller of the wrapped function. Returns how many modules were wrapped now.
 

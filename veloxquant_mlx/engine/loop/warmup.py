@@ -79,7 +79,7 @@ def warm_up_waves(
         if long + RAGGED_DECODE <= window:
             waves.append(
                 [
-                    GenerationRequest(prompt(PROMPT + 3 * i), RAGGED_DECODE, greedy)
+                    GenerationRequest(prompt(PROMPT + i % 16), RAGGED_DECODE, greedy)
                     for i in range(rows)
                 ]
                 + [GenerationRequest(prompt(long), DECODE, greedy)]
