@@ -6,6 +6,12 @@ import logging
 
 from veloxquant_mlx.engine.loop import clock as clock_module
 from veloxquant_mlx.engine.loop.clock import TurnClock
+from veloxquant_mlx.engine.loop.scheduler import Chunk, StepPlan
+
+
+class Prompt:  # what the clock reads of a Seq: its tokens
+    def __init__(self, n: int) -> None:
+        self.tokens = [1] * n
 
 
 def run_turn(c: TurnClock, slow_phase: int | None, monkeypatch) -> None:
@@ -15,7 +21,8 @@ def run_turn(c: TurnClock, slow_phase: int | None, monkeypatch) -> None:
     for i in range(len(clock_module.PHASES)):
         now[0] += 0.2 if i == slow_phase else 0.001
         c.mark()
-    c.report(rows=3, prefill_tokens=512, chunks=1, together=0)
+    plan = StepPlan(chunks=[Chunk(Prompt(900), 0, 500)], together=[Prompt(12)])  # type: ignore[arg-type]
+    c.report(rows=3, plan=plan)
 
 
 def test_a_slow_turn_is_logged_with_its_phases_and_what_it_carried(caplog, monkeypatch):
@@ -24,7 +31,7 @@ def test_a_slow_turn_is_logged_with_its_phases_and_what_it_carried(caplog, monke
     (record,) = [r for r in caplog.records if "slow step" in r.getMessage()]
     text = record.getMessage()
     assert text.startswith("slow step: 204 ms (schedule 1, prefill 200, build 1, launch 1, ")
-    assert "3 rows decoding, 512 prompt tokens prefilled (1 chunks, 0 prompts together)" in text
+    assert "3 rows decoding, 512 prompt tokens prefilled (1 chunks, 1 prompts together)" in text
 
 
 def test_a_quick_turn_or_debug_off_logs_nothing(caplog, monkeypatch):

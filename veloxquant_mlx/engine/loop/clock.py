@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.scheduler import StepPlan
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -30,10 +34,10 @@ class TurnClock:
         """The end of the next phase (``PHASES``, in order)."""
         self._marks.append(time.perf_counter())
 
-    def report(self, rows: int, prefill_tokens: int, chunks: int, together: int) -> None:
+    def report(self, rows: int, plan: StepPlan) -> None:
         """Log the turn if it was slow: total and per-phase milliseconds, the decoding rows,
-        and the prompt tokens it prefilled (in ``chunks`` chunks and ``together`` prompts
-        prefilled in one forward)."""
+        and the prompt tokens ``plan`` prefilled (its chunks, and its prompts prefilled
+        together in one forward). Nothing is counted unless the line is logged."""
         marks = self._marks
         if len(marks) < 2 or marks[-1] - marks[0] < SLOW_TURN_S:
             return
@@ -43,8 +47,10 @@ class TurnClock:
             f"{name} {1000 * (b - a):.0f}"
             for name, a, b in zip(PHASES, marks, marks[1:], strict=False)
         )
+        tokens = sum(c.n for c in plan.chunks) + sum(len(s.tokens) for s in plan.together)
         log.debug(
             "slow step: %.0f ms (%s); %d rows decoding, %d prompt tokens prefilled "
             "(%d chunks, %d prompts together)",
-            1000 * (marks[-1] - marks[0]), phases, rows, prefill_tokens, chunks, together,
+            1000 * (marks[-1] - marks[0]), phases, rows, tokens, len(plan.chunks),
+            len(plan.together),
         )  # fmt: skip

@@ -253,12 +253,7 @@ class EngineCore:
         for sampled in [*self._inflight, *results]:
             self._absorb(sampled)
         clock.mark()
-        clock.report(
-            len(runner.rows),
-            sum(c.n for c in plan.chunks) + sum(len(s.tokens) for s in plan.together),
-            len(plan.chunks),
-            len(plan.together),
-        )
+        clock.report(len(runner.rows), plan)
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()
