@@ -99,6 +99,13 @@ class Settings(BaseSettings):
         "attention: about 1.9x / 3.6x the tokens in the same --kv-cache-mb for a bf16 model "
         "with 128-wide heads). fp16/bf16/fp32 name the model's own type. Needs the dense layout.",
     )
+    kv_formats: str = Field(
+        "",
+        description="Comma-separated formats a request may ask for with kv_format in its body "
+        "(auto, int8, int4; the model's float type by name too), beside --kv-format, which "
+        "requests that do not ask get. Empty: --kv-format only. Each format is checked at "
+        "start; needs the dense layout.",
+    )
     kv_group_size: int | None = Field(
         None,
         description="Values per scale and bias of --kv-format int8/int4: 32 or 64 (unset: 64 "
@@ -322,6 +329,10 @@ class Settings(BaseSettings):
             raise ValueError("set --kv-cache-mb or --n-blocks")
         if self.kv_group_size not in (None, 32, 64):
             raise ValueError(f"--kv-group-size must be 32 or 64, got {self.kv_group_size}")
+        known = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
+        bad = [f for f in self.kv_format_list if f not in known]
+        if bad:
+            raise ValueError(f"--kv-formats takes {', '.join(known)}; got {', '.join(bad)}")
         if self.max_blocks is not None and self.grow_on_exhaustion:
             floor = self.n_blocks or 0
             if self.max_blocks < floor:
@@ -345,6 +356,12 @@ class Settings(BaseSettings):
             if value is not None and len(value) < 8:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 8 characters")
         return self
+
+    @property
+    def kv_format_list(self) -> tuple[str, ...]:
+        """--kv-formats as names, in order, without repeats."""
+        names = (f.strip() for f in self.kv_formats.split(","))
+        return tuple(dict.fromkeys(f for f in names if f))
 
     def with_admin_key(self) -> tuple[Settings, bool]:
         """These settings with an admin key (a random one if unset) and whether it was made."""

@@ -42,6 +42,9 @@ class EngineConfig:
     # How the pool's blocks hold K and V (kv/codec.py): "auto" (the model's float type),
     # "int8" / "int4" (group-wise quantized, read by quantized attention; the dense layout).
     kv_format: str = "auto"
+    # What else a request may ask for (``GenerationRequest.kv_format``), as --kv-format names;
+    # () : kv_format only. The rows of each format are kept apart in one batch (kv/mixed.py).
+    kv_formats: tuple[str, ...] = ()
     # Values per scale and bias of a quantized format (32 or 64); None: 64 where it divides
     # the model's head_dim, else 32.
     kv_group_size: int | None = None

@@ -133,6 +133,9 @@ class GenerationRequest:
     # The client request it belongs to (its n choices of each prompt share one): while others
     # wait, a group gets a fair share of the running slots and the prefill budget. 0: its own.
     group: int = 0
+    # How its KV is stored: "" the server's --kv-format; another of --kv-formats by its
+    # canonical name ("int8", "int4", "bfloat16", ...; ``checks.resolve_kv_format``).
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -202,6 +205,9 @@ class StepSnapshot:
     kv_format: str = ""  # what the blocks hold: the model's float type, "int8" or "int4"
     kv_window_format: str = ""  # the residual windows' (--kv-recent-tokens): the float type
     kv_window_blocks: int = 0  # pool blocks the running rows' windows hold (in blocks_in_use)
+    # With --kv-formats: pool blocks held by the format they hold ((format, blocks) pairs:
+    # running requests' and the cache's); () with one format.
+    kv_format_blocks: tuple[tuple[str, int], ...] = ()
     ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
     prefix_caching: bool = False
@@ -341,3 +347,6 @@ class EngineInfo:
     device: str
     group: GroupInfo = field(default_factory=GroupInfo)
     chat_template: str | None = None  # --chat-template's text: the host's tokenizer uses it too
+    # The KV formats a request may ask for (canonical names, kv.codec): the server's own
+    # first, then the rest of --kv-formats.
+    kv_formats: tuple[str, ...] = ()

@@ -61,7 +61,12 @@ class DenseKV:
         self.rows, self.capacity = new_rows, new_cap
 
     def put_row(
-        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+        self,
+        row: int,
+        layers: list[tuple[mx.array, mx.array]],
+        table: Any,
+        start: int = 0,
+        fmt: str = "",
     ) -> None:
         """Copy a prefilled row's KV (each layer's ``[1, H, T, D]`` K and V) into row ``row``
         (all of it: the row is its only copy here, ``start`` is for the paged layout)."""
@@ -70,6 +75,10 @@ class DenseKV:
         for layer, (k, v) in enumerate(layers):
             self.k[layer][row : row + 1, :, :n] = k
             self.v[layer][row : row + 1, :, :n] = v
+
+    def layout_for(self, fmt: str) -> DenseKV:
+        """The layout of every format here: this one (``kv.mixed`` holds several)."""
+        return self
 
     def set_hole(self, row: int) -> None:
         """Row ``row`` left: its slot is written at position 0 and never read until reused."""

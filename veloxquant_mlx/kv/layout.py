@@ -23,6 +23,8 @@ class KVLayout(Protocol):
     stream, three when quantized), and ``encode_span`` is what a page keeps of a prefill's KV.
     ``launch_after_previous``: a step is launched once the previous one has let go of its
     inputs (BENCHMARKS.md, "The paged store launched after the previous step").
+    ``put_row``'s ``fmt`` is the row's KV format and ``layout_for(fmt)`` the layout that holds it
+    (``kv.mixed``, ``--kv-formats``; a layout of one format ignores the one and is the other).
     """
 
     kind: str
@@ -32,8 +34,15 @@ class KVLayout(Protocol):
     ragged: RaggedAttention
 
     def put_row(
-        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+        self,
+        row: int,
+        layers: list[tuple[mx.array, mx.array]],
+        table: Any,
+        start: int = 0,
+        fmt: str = "",
     ) -> None: ...
+
+    def layout_for(self, fmt: str) -> Any: ...
 
     def set_hole(self, row: int) -> None: ...
 

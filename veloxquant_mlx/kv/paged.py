@@ -135,8 +135,17 @@ class PagedKV:
         self._tables[row, :, start:n] = [ids[start:n] for ids in table]
         self._version += 1
 
+    def layout_for(self, fmt: str) -> PagedKV:
+        """The layout of every format here: this one."""
+        return self
+
     def put_row(
-        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+        self,
+        row: int,
+        layers: list[tuple[mx.array, mx.array]],
+        table: Any,
+        start: int = 0,
+        fmt: str = "",
     ) -> None:
         """Write a prefilled row's KV into its blocks from position ``start`` on (before it:
         cached pages, already there) and mirror its table."""

@@ -104,7 +104,12 @@ class QuantizedDenseKV(DenseKV):
         self.rows, self.capacity = new_rows, new_cap
 
     def put_row(
-        self, row: int, layers: list[tuple[mx.array, mx.array]], table: Any, start: int = 0
+        self,
+        row: int,
+        layers: list[tuple[mx.array, mx.array]],
+        table: Any,
+        start: int = 0,
+        fmt: str = "",
     ) -> None:
         """Quantize a prefilled row's KV (each layer's ``[1, H, T, D]``) into row ``row``."""
         k0, v0 = layers[0]

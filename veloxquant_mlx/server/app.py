@@ -52,6 +52,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         warm_up=settings.warm_up,
         kv_layout=settings.kv_layout,
         kv_format=settings.kv_format,
+        kv_formats=settings.kv_format_list,
         kv_group_size=settings.kv_group_size,
         kv_recent_tokens=settings.kv_recent_tokens,
         ragged_attention=settings.ragged_attention,

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from veloxquant_mlx.server.schemas import ChatCompletionRequest
+from veloxquant_mlx.server.schemas import ChatCompletionRequest, KVFormat
 
 # Anthropic's error types by status.
 ERROR_TYPES = {
@@ -106,6 +106,7 @@ class MessagesRequest(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_sequences: Annotated[list[StrictStr], Field(max_length=16)] | None = None
     stream: StrictBool = False
+    kv_format: KVFormat | None = None  # this server's extension (--kv-formats)
 
 
 class CountTokensRequest(BaseModel):
@@ -178,6 +179,8 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
                 body[name] = getattr(req, name)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
+        if req.kv_format is not None:
+            body["kv_format"] = req.kv_format
         body["stream"] = req.stream
     return ChatCompletionRequest.model_validate(body)
 

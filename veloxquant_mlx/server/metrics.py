@@ -131,22 +131,22 @@ class EngineCollector(Collector):
             fmt = stats.kv_format or "unknown"
             blocks = GaugeMetricFamily(
                 "veloxquant_kv_format_blocks",
-                "Pool blocks checked out, by the format they hold (--kv-format).",
+                "Pool blocks checked out, by the format they hold (--kv-format, --kv-formats).",
                 labels=["format"],
             )
             window = stats.kv_window_blocks  # --kv-recent-tokens: blocks in the model's type
-            blocks.add_metric([fmt], pstats.blocks_in_use() - window)
+            by_format = dict(stats.kv_format_blocks) or {fmt: pstats.blocks_in_use() - window}
             if stats.kv_window_format:
-                blocks.add_metric([stats.kv_window_format], window)
-            yield blocks
+                by_format[stats.kv_window_format] = window
             used = GaugeMetricFamily(
                 "veloxquant_kv_format_bytes",
-                "KV bytes checked out, by the format the blocks hold (--kv-format).",
+                "KV bytes checked out, by the format the blocks hold (--kv-format, --kv-formats).",
                 labels=["format"],
             )
-            used.add_metric([fmt], (pstats.blocks_in_use() - window) * per_block)
-            if stats.kv_window_format:
-                used.add_metric([stats.kv_window_format], window * per_block)
+            for name, n in by_format.items():
+                blocks.add_metric([name], n)
+                used.add_metric([name], n * per_block)
+            yield blocks
             yield used
             yield _gauge(
                 "veloxquant_kv_cache_capacity_bytes",

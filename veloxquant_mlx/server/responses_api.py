@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from veloxquant_mlx.server.errors import APIError
-from veloxquant_mlx.server.schemas import ChatCompletionRequest, Finite, Text
+from veloxquant_mlx.server.schemas import ChatCompletionRequest, Finite, KVFormat, Text
 
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
@@ -35,6 +35,7 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None
     previous_response_id: Text | None = None
     metadata: dict[str, Any] | None = None
+    kv_format: KVFormat | None = None  # this server's extension (--kv-formats)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -152,6 +153,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
         "stream": req.stream,
+        "kv_format": req.kv_format,
     }
     try:
         return ChatCompletionRequest.model_validate(

@@ -35,6 +35,7 @@ Text = Annotated[StrictStr, AfterValidator(_encodable)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # logit_bias keys are token ids written in decimal ASCII ("²".isdigit() is True; int() refuses).
 TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,10}$")]
+KVFormat = Annotated[StrictStr, Field(min_length=1, max_length=16)]  # the engine checks the name
 
 
 class StreamOptions(BaseModel):
@@ -69,6 +70,8 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
+    # How this request's KV is stored (--kv-formats): auto, int8, int4, the model's float type.
+    kv_format: KVFormat | None = None
 
     @field_validator("stop")
     @classmethod

@@ -131,6 +131,7 @@ def submit(
         top_logprobs=top_logprobs,
         grammar=grammar,
         group=group,
+        kv_format=body.kv_format or "",
     )
     try:
         return st.engine.submit(request)

@@ -6,6 +6,7 @@ from the engine's snapshot. A host differs from another only in how it reaches t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer
-from veloxquant_mlx.engine.request.checks import static_problem
+from veloxquant_mlx.engine.request.checks import resolve_kv_format, static_problem
 from veloxquant_mlx.engine.request.detokenize import token_bytes_table
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.types import (
@@ -176,9 +177,11 @@ class HostBase:
         with self._refused_lock:
             return dict(self._refused)
 
-    def _check(self, request: GenerationRequest) -> None:
+    def _check(self, request: GenerationRequest) -> GenerationRequest:
         """What the engine relies on and the model's static facts decide, on the caller's
-        thread: running, not draining, the vocabulary and context window, a compiled grammar.
+        thread: running, not draining, the vocabulary and context window, a compiled grammar,
+        a KV format this server allows. Returns the request with its format resolved
+        (``checks.resolve_kv_format``).
 
         Raises:
             EngineNotReadyError, InvalidRequestError, RequestTooLargeError.
@@ -191,3 +194,11 @@ class HostBase:
             raise self._refuse(problem)
         if request.grammar is not None and self.grammars is None:
             raise self._refuse(InvalidRequestError("this model's output cannot be constrained"))
+        if request.kv_format:
+            allowed = self.info.kv_formats if self.info else ()
+            try:
+                fmt = resolve_kv_format(request.kv_format, allowed)
+            except InvalidRequestError as exc:
+                raise self._refuse(exc) from None
+            request = dataclasses.replace(request, kv_format=fmt)
+        return request

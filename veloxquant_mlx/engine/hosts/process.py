@@ -323,7 +323,7 @@ class EngineProcess(HostBase):
             EngineNotReadyError: Still loading, draining, or the engine process is gone.
             InvalidRequestError, RequestTooLargeError: See ``checks.static_problem``.
         """
-        self._check(request)
+        request = self._check(request)
         request_id = next(self._ids)
         handle = RequestHandle(request_id, request)
         with self._lock:

@@ -180,6 +180,7 @@ class Engine(HostBase):
             device=rt.device,
             group=GroupInfo() if rt.group is None else rt.group.info,
             chat_template=self.config.chat_template,
+            kv_formats=rt.kv_formats,
         )
         if warm_up_wanted(self.config.warm_up) and rt.group is None:
             started = time.monotonic()
@@ -233,7 +234,7 @@ class Engine(HostBase):
                 grammar not compiled (``GrammarCompiler``: never on the engine thread).
             QueueFullError: The waiting queue is at ``max_queue``.
         """
-        self._check(request)
+        request = self._check(request)
         if request.grammar is not None and request.grammar.compiled is None:
             raise self._refuse(InvalidRequestError("a grammar must come compiled", "grammar"))
         if self.group_info.world_size > 1 and request.sampling.seed is None:
@@ -243,8 +244,8 @@ class Engine(HostBase):
         n_prompt = len(request.prompt_tokens)
         blocks = self._blocks
         assert blocks is not None
-        if not blocks.could_ever_fit(n_prompt + 1):
-            if blocks.fits_configured(n_prompt + 1):
+        if not blocks.could_ever_fit(n_prompt + 1, request.kv_format):
+            if blocks.fits_configured(n_prompt + 1, request.kv_format):
                 raise self._refuse(
                     CapacityReducedError(
                         "the KV pool has been shrunk below what this prompt needs; try again later"

@@ -404,7 +404,7 @@ class EngineCore:
                 self.config.min_request_tokens
             )
             for seq in [s for s in self.scheduler.waiting]:
-                if not self.scheduler.blocks.could_ever_fit(len(seq.tokens) + 1):
+                if not self.scheduler.blocks.could_ever_fit(len(seq.tokens) + 1, seq.kv_format):
                     self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)
             self._publish()  # before the caller hears back: /ready and /v1/loads show it
         return retired

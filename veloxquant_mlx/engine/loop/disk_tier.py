@@ -312,9 +312,11 @@ def load_run(
 
 def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:
     """Queue ``pages`` for the disk (those it lacks): a copy of each one's KV, read through the
-    layout ``kv`` and launched now (the writer waits for it)."""
+    layout ``kv`` and launched now (the writer waits for it). Pages of the server's own KV
+    format only: the tier's files hold that one (a request's other ``kv_format`` is cached in
+    memory only)."""
     for page in pages:
-        if tier.has(page.digest):
+        if page.fmt or tier.has(page.digest):
             continue
         layers = [(copy_span(k), copy_span(v)) for k, v in kv.page_parts([page])]
         mx.async_eval([x for pair in layers for parts in pair for x in parts])

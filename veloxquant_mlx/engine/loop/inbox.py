@@ -60,6 +60,7 @@ def snapshot_of(
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
         kv_format=sched.kv_format,
+        kv_format_blocks=tuple(sorted(sched.blocks_by_format().items())) if sched.mixed else (),
         **_window(sched),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),

@@ -2,10 +2,12 @@
 
 A *page* is one block-sized run of a sequence's tokens in every layer: the ``2 * n_layers`` pool
 blocks at one index of a request's block table (K and V of each layer). A full page is keyed by
-its parent page (the page before it in the same sequence, ``ROOT`` for the first) and its own
-token ids; keys are compared exactly (a dict key, not a digest), so two sequences share a page
-only when every token before and in it is the same. One engine serves one model with one KV
-format, so the model, adapter and format need not be in the key.
+its parent page (the page before it in the same sequence, its format's root for the first:
+``ROOT`` for the server's own) and its own token ids; keys are compared exactly (a dict key,
+not a digest), so two sequences share a page only when every token before and in it is the
+same, in the same format. One engine serves one model, so the model need not be in the key.
+A page of a format wider than the pool's blocks takes ``span`` blocks per layer and stream
+(``blocks.BlockMath``); the counts below are in units of one block per layer and stream.
 
 A request that finds cached pages for its prompt holds them (a reference each) in its table
 instead of blocks of its own, and prefills only the rest (at least its last token, so there
@@ -44,11 +46,17 @@ class Page:
 
     serial: int
     key: tuple[int, tuple[int, ...]]
-    ids: list[int]  # the block id in each of the 2 * n_layers table lists
+    ids: list[int]  # its ``span`` block ids in each of the 2 * n_layers table lists, in order
     blocks: list[Any]  # the pool's Block objects, for freeing
     kv: Any = None  # the runner's copy of the page's K/V when the layout does not keep it
     refs: int = 0
     digest: bytes = b""  # the hash chain of its tokens and all before (``chain``)
+    fmt: str = ""  # the KV format it holds ("": the server's own)
+    span: int = 1  # blocks per table list
+
+    def column(self, j: int) -> list[int]:
+        """Its block ids in table list ``j``."""
+        return self.ids[j * self.span : (j + 1) * self.span]
 
 
 @dataclass(slots=True)
@@ -93,15 +101,28 @@ class PrefixCache:
         self._pages: dict[tuple[int, tuple[int, ...]], Page] = {}
         self._lru: collections.OrderedDict[int, Page] = collections.OrderedDict()
         self._serial = ROOT
+        self._roots: dict[str, int] = {"": ROOT}  # each format's first-page parent serial
+        self._units = 0  # spans of every page
+        self.units_by_format: collections.Counter[str] = collections.Counter()  # "" own format
+        self._evictable_units = 0  # spans of the pages nobody holds
         self.counts = CacheCounts()
+
+    def root_of(self, fmt: str) -> tuple[int, bytes]:
+        """The parent serial and digest of a first page of format ``fmt`` ("": the server's
+        own, ``ROOT`` and ``root``; another format its own, below every page's serial)."""
+        if not fmt:
+            return ROOT, self.root
+        serial = self._roots.setdefault(fmt, ROOT - len(self._roots))
+        return serial, hashlib.sha256(self.root + fmt.encode()).digest()
 
     # ------------------------------------------------------------------ lookup
 
-    def match(self, tokens: list[int], limit: int) -> list[Page]:
-        """The longest chain of cached pages that covers a prefix of ``tokens[:limit]``."""
+    def match(self, tokens: list[int], limit: int, fmt: str = "") -> list[Page]:
+        """The longest chain of cached pages of format ``fmt`` that covers a prefix of
+        ``tokens[:limit]``."""
         bs = self.block_size
         found: list[Page] = []
-        parent = ROOT
+        parent = self.root_of(fmt)[0]
         for i in range(limit // bs):
             page = self._pages.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
             if page is None:
@@ -114,6 +135,7 @@ class PrefixCache:
         for page in pages:
             if page.refs == 0:
                 del self._lru[page.serial]
+                self._evictable_units -= page.span
             page.refs += 1
 
     def release(self, pages: list[Page]) -> None:
@@ -121,6 +143,7 @@ class PrefixCache:
             page.refs -= 1
             if page.refs == 0:
                 self._lru[page.serial] = page  # the most recently used end
+                self._evictable_units += page.span
 
     def count_lookup(self, queried: int, hit: int) -> None:
         self.counts.queries += queried
@@ -136,34 +159,42 @@ class PrefixCache:
         table: list[list[int]],
         owner: int,
         kv_of: Callable[[int], Any],
+        fmt: str = "",
+        span: int = 1,
     ) -> None:
-        """Cache the full pages of ``tokens[:n_tokens]`` (KV written) past ``seq.n_known``.
+        """Cache the full pages of ``tokens[:n_tokens]`` (KV written, in format ``fmt``, each
+        page ``span`` blocks of each table list) past ``seq.n_known``.
 
         A new page takes the request's blocks at its index (handed to ``CACHE_OWNER``) and
         ``kv_of(index)`` as its payload; the request holds it. Where the same content is cached
         already, the request keeps its own blocks and the chain goes on from the cached twin.
         """
         bs = self.block_size
-        end = min(n_tokens // bs, len(table[0]) if table else 0)
+        end = min(n_tokens // bs, len(table[0]) // span if table else 0)
         if end <= seq.n_known:
             return
         mine = {b.block_id: b for b in self.pool.blocks_for(owner)}
-        digest = self.root if seq.tail_digest is None else seq.tail_digest
+        root, root_digest = self.root_of(fmt)
+        tail = root if seq.n_known == 0 else seq.tail
+        digest = root_digest if seq.tail_digest is None else seq.tail_digest
         for i in range(seq.n_known, end):
-            key = (seq.tail, tuple(tokens[i * bs : (i + 1) * bs]))
+            key = (tail, tuple(tokens[i * bs : (i + 1) * bs]))
             digest = chain(digest, key[1])
             page = self._pages.get(key)
             if page is None:
-                ids = [column[i] for column in table]
+                ids = [b for column in table for b in column[i * span : (i + 1) * span]]
                 blocks = [mine[b] for b in ids if b in mine]
                 if len(blocks) != len(ids):  # not all its own (cannot happen): leave it
                     break
                 self._serial += 1
-                page = Page(self._serial, key, ids, blocks, kv_of(i), refs=1, digest=digest)
+                page = Page(self._serial, key, ids, blocks, kv_of(i), 1, digest, fmt=fmt, span=span)
                 self.pool.transfer(blocks, owner=owner, new_owner=CACHE_OWNER)
                 self._pages[key] = page
+                self._units += span
+                self.units_by_format[fmt] += span
                 seq.held.append(page)
-            seq.tail, seq.tail_digest = page.serial, digest
+            tail = page.serial
+            seq.tail, seq.tail_digest = tail, digest
             seq.n_known = i + 1
 
     # ------------------------------------------------------------------ eviction
@@ -178,23 +209,41 @@ class PrefixCache:
             _, page = self._lru.popitem(last=False)
             del self._pages[page.key]
             self.pool.free(page.blocks, owner=CACHE_OWNER)
+            self._units -= page.span
+            self.units_by_format[page.fmt] -= page.span
+            self._evictable_units -= page.span
             page.kv = None
             gone += 1
         self.counts.evictions += gone
         return gone
 
+    def evict_units(self, n_units: int) -> None:
+        """Evict the least recently used pages until ``n_units`` units (one block per layer
+        and stream each) are free, or none is left."""
+        n_pages = units = 0
+        for page in self._lru.values():
+            if units >= n_units:
+                break
+            n_pages += 1
+            units += page.span
+        self.evict(n_pages)
+
     def reset(self) -> int:
         """Drop every unreferenced page; returns the blocks freed."""
-        return self.evict(len(self._lru)) * self.blocks_per_page
+        before = self._units
+        self.evict(len(self._lru))
+        return (before - self._units) * self.blocks_per_page
 
     def n_evictable(self) -> int:
-        return len(self._lru)
+        """Units (one block per layer and stream) of the pages nobody holds: a page of the
+        server's own format is one."""
+        return self._evictable_units
 
     def refresh_counts(self) -> CacheCounts:
         c = self.counts
         c.pages, c.evictable_pages = len(self._pages), len(self._lru)
-        c.blocks = c.pages * self.blocks_per_page
-        c.evictable_blocks = c.evictable_pages * self.blocks_per_page
+        c.blocks = self._units * self.blocks_per_page
+        c.evictable_blocks = self._evictable_units * self.blocks_per_page
         return c
 
     def pages(self) -> list[Page]:

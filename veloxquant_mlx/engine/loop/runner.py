@@ -150,7 +150,8 @@ class Runner:
         if not n_cached:
             return caches
         n_pages = seq.pages.n_known
-        layers = self.kv.read_pages(seq.pages.held[:n_pages]) if n_pages else []
+        store = self.kv.layout_for(seq.kv_format)
+        layers = store.read_pages(seq.pages.held[:n_pages]) if n_pages else []
         loaded, seq.preloaded = seq.preloaded, None
         if loaded is not None:  # as stored on disk (kv.codec): in the model's type for prefill
             loaded = [(self.decode(k), self.decode(v)) for k, v in loaded]
@@ -195,8 +196,9 @@ class Runner:
         return sampled
 
     def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
-        """A span as the layout stores it (``kv.codec``), in the model's type."""
-        codec = getattr(self.kv, "codec", None)
+        """A span as the layout stores the server's own format (``kv.codec``; what the disk
+        tier holds), in the model's type."""
+        codec = getattr(self.kv.layout_for(""), "codec", None)
         return parts[0] if codec is None else codec.decode(parts)
 
     def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
@@ -209,7 +211,7 @@ class Runner:
         except ValueError:
             slot = len(self.rows)
             self.rows.append(None)
-        self.kv.put_row(slot, layers, seq.table, seq.pages.n_known * self.block_size)
+        self.kv.put_row(slot, layers, seq.table, seq.pages.n_known * self.block_size, seq.kv_format)
         state.caches = None
         state.joined = True
         self.rows[slot] = seq
@@ -222,7 +224,7 @@ class Runner:
         the dense layout, one copy per layer and stream of the new pages' span, made on the
         first call and evaluated with the next launch (pages point into it: a few copies per
         request, not one per page and layer)."""
-        encode = self.kv.encode_span
+        encode = self.kv.layout_for(seq.kv_format).encode_span
         return self._span_source(
             seq, lambda a, b: [(encode(k[:, :, a:b]), encode(v[:, :, a:b])) for k, v in layers]
         )

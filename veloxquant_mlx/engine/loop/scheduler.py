@@ -67,6 +67,11 @@ class Seq:
         return self.handle.request.group or -self.handle.request_id
 
     @property
+    def kv_format(self) -> str:
+        """The KV format its request asked for ("": the server's own; ``--kv-formats``)."""
+        return self.handle.request.kv_format
+
+    @property
     def n_generated(self) -> int:
         return len(self.tokens) - self.n_prompt
 
@@ -130,11 +135,14 @@ class Scheduler:
         kv_format: str = "fp16",
         window_blocks: int = 0,
         window_format: str = "",
+        spans: dict[str, int] | None = None,
     ) -> None:
         self.pool = pool
         self.cache = PrefixCache(pool, n_layers) if prefix_caching else None
         self.n_layers = n_layers
-        self.blocks = BlockMath(pool, n_layers, window_blocks)
+        # ``spans``: blocks per layer and stream a page of each format takes (--kv-formats;
+        # "" for the server's own), None: one format.
+        self.blocks = BlockMath(pool, n_layers, window_blocks, spans or {})
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
@@ -163,19 +171,17 @@ class Scheduler:
     def grow(self, seq: Seq, n_tokens: int) -> bool:
         """Make ``seq``'s table hold ``n_tokens`` tokens in every layer; False (and nothing
         taken) if the pool cannot."""
-        need = self.blocks.blocks_for(n_tokens) - seq.n_blocks
+        need = self.blocks.blocks_for(n_tokens, seq.kv_format) - seq.n_blocks
         if need <= 0:
             return True
         per_call = need * self.n_layers
         self._evict_for(per_call)
         taken: list[list[Any]] = []
+        fmt = seq.kv_format or self.kv_format
         try:
             for stream in STREAMS:
-                taken.append(
-                    self.pool.allocate(
-                        stream, per_call * self.blocks.block_size, seq.request_id, self.kv_format
-                    )
-                )
+                n_tokens_call = per_call * self.blocks.block_size
+                taken.append(self.pool.allocate(stream, n_tokens_call, seq.request_id, fmt))
         except BlockPoolExhaustedError:
             for blocks in taken:
                 self.pool.free(blocks, owner=seq.request_id)
@@ -208,7 +214,7 @@ class Scheduler:
         short = need - self._free_lists_min()
         if short > 0:
             per_page = self.blocks.per_page
-            self.cache.evict(-(-short // per_page))
+            self.cache.evict_units(-(-short // per_page))
 
     def release(self, seq: Seq) -> None:
         """Give back every block of ``seq`` (finish, cancel, failure or preemption); the cached
@@ -227,7 +233,17 @@ class Scheduler:
         """Cache ``seq``'s full pages among its first ``n_tokens`` tokens (their KV written);
         ``kv_of(index)`` gives a page's KV payload (None where the layout keeps it)."""
         if self.cache is not None and seq.table:
-            self.cache.register(seq.pages, seq.tokens, n_tokens, seq.table, seq.request_id, kv_of)
+            fmt = seq.kv_format
+            self.cache.register(
+                seq.pages,
+                seq.tokens,
+                n_tokens,
+                seq.table,
+                seq.request_id,
+                kv_of,
+                fmt,
+                self.blocks.span(fmt),
+            )
 
     def cache_generated(self, seq: Seq) -> None:
         """A decoding row leaves (finish, cancel or preemption): cache the full pages its KV
@@ -251,6 +267,24 @@ class Scheduler:
         cache = self.cache
         evictable = 0 if cache is None else cache.n_evictable() * cache.blocks_per_page
         return self.pool.stats.blocks_in_use() - evictable
+
+    @property
+    def mixed(self) -> bool:
+        """Requests may ask for a KV format of their own (--kv-formats)."""
+        return bool(self.blocks.spans)
+
+    def blocks_by_format(self) -> dict[str, int]:
+        """Pool blocks held, by the KV format they hold (running requests' own and every
+        cached page; the windows apart): what ``blocks_in_use`` counts in the pool, split."""
+        per_unit = 2 * self.n_layers
+        out: collections.Counter[str] = collections.Counter()
+        for seq in self.running:
+            own = seq.n_blocks - sum(p.span for p in seq.pages.held)
+            out[seq.kv_format or self.kv_format] += own * per_unit
+        if self.cache is not None:
+            for fmt, units in self.cache.units_by_format.items():
+                out[fmt or self.kv_format] += units * per_unit
+        return dict(out)
 
     # ------------------------------------------------------------------ queue
 
@@ -279,7 +313,8 @@ class Scheduler:
         while i < len(self.waiting) and len(self.running) < self.max_running:
             head = self.waiting[i]
             n = len(head.tokens) + 1
-            if not self.blocks.could_ever_fit(n):
+            fmt, span = head.kv_format, self.blocks.span(head.kv_format)
+            if not self.blocks.could_ever_fit(n, fmt):
                 unservable.append(head)
                 del self.waiting[i]
                 continue
@@ -292,10 +327,11 @@ class Scheduler:
                 continue
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
             free = self._free_now() - self.blocks.per_stream(
-                self.n_layers * sum(1 for p in hits if p.refs == 0)
+                self.n_layers * sum(p.span for p in hits if p.refs == 0)
             )
             need = self.blocks.per_stream(
-                self.n_layers * (self.blocks.blocks_for(n) - len(hits)) + self.window_blocks
+                self.n_layers * (self.blocks.blocks_for(n, fmt) - len(hits) * span)
+                + self.window_blocks
             )
             if self.running and free - need < reserve:
                 break  # FIFO for memory: nobody overtakes the head
@@ -367,7 +403,7 @@ class Scheduler:
         prefill (its logits sample the next one)."""
         if self.cache is None:
             return []
-        return self.cache.match(seq.tokens, len(seq.tokens) - 1)
+        return self.cache.match(seq.tokens, len(seq.tokens) - 1, seq.kv_format)
 
     def _take(self, seq: Seq, hits: list[Any], n_tokens: int) -> bool:
         """Give ``seq`` its cached pages, blocks for the rest of ``n_tokens`` and what the
@@ -377,7 +413,7 @@ class Scheduler:
         if hits:
             assert cache is not None
             cache.acquire(hits)
-            seq.table = [[p.ids[j] for p in hits] for j in range(2 * self.n_layers)]
+            seq.table = [[b for p in hits for b in p.column(j)] for j in range(2 * self.n_layers)]
         if not self.grow(seq, n_tokens) or not self._take_window(seq):
             self.pool.free_all(seq.request_id)
             if hits:
@@ -397,7 +433,7 @@ class Scheduler:
                 n_cached=seq.pages.n_cached,
             )
         n_hit = len(hits) * bs
-        if self.load_disk is not None:
+        if self.load_disk is not None and not seq.kv_format:  # the server's own format only
             parent = hits[-1].digest if hits else cache.root
             n_pages, seq.preloaded = self.load_disk(
                 seq.tokens, len(hits), parent, (len(seq.tokens) - 1) // bs
@@ -458,7 +494,7 @@ class Scheduler:
                     break
                 victim = self.victim()
                 if victim is seq and len(self.running) == 1:
-                    configured = not self.blocks.fits_configured(seq.n_kv + 1)
+                    configured = not self.blocks.fits_configured(seq.n_kv + 1, seq.kv_format)
                     plan.outgrown.append((seq, configured))
                     break
                 self.preempt(victim)
@@ -520,7 +556,8 @@ class Scheduler:
             spent = True
         for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
             # Admission took blocks for the prompt and the first token: nothing to grow.
-            assert seq.n_blocks >= self.blocks.blocks_for(seq.n_kv + 1), "a row joins short"
+            need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)
+            assert seq.n_blocks >= need, "a row joins short"
 
     def finish(self, seq: Seq) -> None:
         """Take ``seq`` out (running or waiting) and free its blocks."""

@@ -18,11 +18,12 @@ from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
+from veloxquant_mlx.engine.model.formats import kv_formats
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
 from veloxquant_mlx.kv import attention
-from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv.codec import KVCodec
+from veloxquant_mlx.kv.mixed import make_mixed, mixed_unreached
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
 from veloxquant_mlx.kv.quantized import check_kernels, window_bytes, window_unreached
 from veloxquant_mlx.pool import BlockPoolAllocator
@@ -157,6 +158,7 @@ class Runtime:
     path: Path
     group: Group | None = None
     disk: DiskTier | None = None
+    kv_formats: tuple[str, ...] = ()  # what a request may ask for, the server's own first
 
 
 def kv_layout(requested: str) -> str:
@@ -283,11 +285,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     )
     check_supported(model)
     geometry = probe_geometry(model)
-    codec = kv_codec.parse(cfg.kv_format, geometry.dtype, geometry.head_dim, cfg.kv_group_size)
+    formats = kv_formats(cfg, geometry)
+    codec = formats.own
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
-    if codec.quantized:  # MLX compiles these kernels on first use (minutes for int4 on CUDA)
-        log.info("checking %s quantized attention on %s", codec.name, mx.default_device())
-    check_kernels(codec, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens)
+    for each in formats.codecs.values():
+        if each.quantized:  # MLX compiles these kernels on first use (minutes for int4 on CUDA)
+            log.info("checking %s quantized attention on %s", each.name, mx.default_device())
+        check_kernels(
+            each, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens
+        )
     window = window_blocks(cfg, geometry, codec)
     sizing = pool_config(
         geometry,
@@ -297,16 +303,17 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         separate_kv=cfg.separate_kv,
         grow_on_exhaustion=cfg.grow_on_exhaustion,
         max_blocks=cfg.max_blocks,
-        codec=codec,
+        codec=formats.block,
     )
     if group is not None:  # the same capacity in tokens on every rank: the smallest
         per_token_block = 2 * geometry.n_layers_total
         token_blocks = group.min_int(sizing.n_blocks // per_token_block)
         sizing = dataclasses.replace(sizing, n_blocks=token_blocks * per_token_block)
     pool = BlockPoolAllocator(sizing)
-    per_block = geometry.bytes_per_block(cfg.block_size, codec)
+    per_block = geometry.bytes_per_block(cfg.block_size, formats.block)
     n_blocks = pool.stats.n_blocks
-    blocks = BlockMath(pool, geometry.n_layers_total, window)
+    spans = formats.spans(geometry, cfg.block_size)
+    blocks = BlockMath(pool, geometry.n_layers_total, window, spans)
     if not blocks.could_ever_fit(cfg.min_request_tokens):
         per_request = 2 * (blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens) + window)
         raise ValueError(
@@ -326,7 +333,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     # routed attention (fused_attention installed it already for a fused layout)
     if ragged.mode == "matmul" or ragged.prefill_route is not None:
         attention.install(model)
-    kv = make_kv(
+    kv: Any = make_kv(
         layout,
         geometry.n_layers_total,
         cfg.block_size,
@@ -336,6 +343,13 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         codec,
         cfg.kv_recent_tokens,
     )
+    if formats.mixed:  # each format's rows in a store of its own (kv.mixed)
+        kv = make_mixed(formats.codecs, geometry.n_layers_total, cfg.block_size, ragged)
+        attention.install(model)
+        missing = mixed_unreached(
+            model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv, codec.dtype
+        )
+        require_routed(missing, "--kv-formats", "one KV format (drop --kv-formats)")
     if cfg.kv_recent_tokens:  # the window's attention is routed (kv.quantized.attend)
         attention.install(model)
         missing = window_unreached(
@@ -357,6 +371,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         kv_format=codec.name,
         window_blocks=window,
         window_format=geometry.dtype,
+        spans=spans,
     )
     scheduler.row_pages = runner.row_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
@@ -373,6 +388,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         n_blocks * per_block / 2**20,
         codec.name
         + (f" (group {codec.group_size})" if codec.quantized else "")
+        + (f", also {', '.join(formats.names[1:])} on request" if formats.mixed else "")
         + (
             f", newest {cfg.kv_recent_tokens} tokens in full precision"
             if cfg.kv_recent_tokens
@@ -401,4 +417,5 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         path,
         group,
         disk,
+        formats.names,
     )

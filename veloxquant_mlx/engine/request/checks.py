@@ -40,6 +40,34 @@ def static_problem(
     return None
 
 
+# The float formats' short names (--kv-format's) and the names they stand for (kv.codec).
+FLOAT_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def resolve_kv_format(requested: str, allowed: tuple[str, ...]) -> str:
+    """A request's ``kv_format`` as the engine keys it: "" for the server's own format
+    (``allowed[0]``; also what "auto" and an empty value ask for), else the canonical name of
+    another format in ``allowed``.
+
+    Raises:
+        InvalidRequestError: A format this server does not allow (param ``kv_format``).
+    """
+    if requested in ("", "auto"):
+        return ""
+    name = FLOAT_NAMES.get(requested, requested)
+    if allowed and name == allowed[0]:
+        return ""
+    if name not in allowed:
+        short = {v: k for k, v in FLOAT_NAMES.items()}
+        names = ", ".join(["auto", *(short.get(a, a) for a in allowed)])
+        raise InvalidRequestError(
+            f"kv_format {requested!r} is not served here; this server allows: {names} "
+            "(--kv-formats)",
+            "kv_format",
+        )
+    return name
+
+
 def tokens_in_vocabulary(tokens: tuple[int, ...], vocab_size: int) -> bool:
     return all(0 <= t < vocab_size for t in tokens)
 
