@@ -23,12 +23,18 @@ from veloxquant_mlx.engine.types import (
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def test_rows_of_three_formats_in_one_batch_each_decode_as_their_format(make_engine, default_model):
+@pytest.mark.parametrize("ragged", ["auto", "matmul"])
+def test_rows_of_three_formats_in_one_batch_each_decode_as_their_format(
+    make_engine, default_model, ragged
+):
     """Nine prompts through 4 running slots and 16-token prefill chunks, in int8 (the
     server's own), float32 and int4: every request's greedy tokens are its format's alone
     (mlx_lm's KVCache, or a full-precision prefill and mlx_lm's QuantizedKVCache), while rows
-    of the other formats join and leave beside it; blocks carry each format's tag."""
+    of the other formats join and leave beside it; blocks carry each format's tag. With
+    ``matmul`` every part of a step attends as the whole batch is planned (by matmul, in
+    128-position reads), as a GPU's batches of 32 rows or more do."""
     engine = make_engine(
+        ragged_attention=ragged,
         kv_cache_mb=8,
         kv_format="int8",
         kv_formats=("fp32", "int4"),
@@ -60,6 +66,7 @@ def test_rows_of_three_formats_in_one_batch_each_decode_as_their_format(make_eng
             expected = stock_quantized_tokens(model, p, n, f or "int8", 32)
         assert [t.token_id for t in tokens] == expected, (f, len(p))
     assert formats == {"int8", "float32", "int4"}
+    assert engine.stats().ragged_attention == ("matmul" if ragged == "matmul" else "sdpa")
     wait_idle(engine)
 
 

@@ -108,3 +108,31 @@ def test_a_warm_up_that_fails_refuses_to_start_in_one_line(default_model_dir, mo
         assert not engine.alive
     finally:
         engine.shutdown(5)
+
+
+def test_with_several_kv_formats_each_meets_every_batch_size_and_all_meet_together():
+    waves = warm_up_waves(
+        max_running=4, prefill_step=64, context_window=2048, vocab_size=2048,
+        formats=("int4", "float32"),
+    )  # fmt: skip
+    for fmt in ("int4", "float32"):
+        sizes = [len(w) for w in waves if {r.kv_format for r in w} == {fmt}]
+        assert sizes == [1, 2, 4]
+    together = [w for w in waves if len({r.kv_format for r in w}) == 3]
+    assert len(together) == 1 and len(together[0]) == 4
+    assert len({len(r.prompt_tokens) for r in together[0]}) == 4  # at different positions
+    assert all(r.kv_format == "" for r in warm_up_waves(2, 64, 2048, 2048)[0])
+
+
+def test_a_warmed_engine_with_several_formats_runs_them_and_is_left_free(make_engine):
+    engine = make_engine(
+        kv_cache_mb=16, warm_up="on", max_running=4, kv_format="int8", kv_formats=("fp32",)
+    )
+    stats = engine.stats()
+    assert stats.requests_finished_total == {} and stats.cached_blocks == 0
+    assert stats.kv_format_blocks == () or all(n == 0 for _, n in stats.kv_format_blocks)
+    assert engine.pool is not None and engine.pool.stats.blocks_in_use() == 0
+    _, finish = engine.submit(
+        GenerationRequest(tuple(range(5, 40)), 6, GREEDY, kv_format="fp32")
+    ).collect(60)
+    assert finish.finish_reason == "length"

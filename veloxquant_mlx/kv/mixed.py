@@ -20,7 +20,7 @@ from veloxquant_mlx.kv.attention import RaggedAttention, grouped_attention, matm
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.dense import DenseKV
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV
-from veloxquant_mlx.kv.step import StepBatch, unreached_layers
+from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
 
 
 @dataclass(slots=True)
@@ -103,7 +103,11 @@ class MixedKV:
             gather = [rows.get(j, 0) for j in range(n)]
             store = self.stores[fmt]
             positions = [batch.positions_list[r] if j in rows else 0 for j, r in enumerate(gather)]
-            sub = store.step_batch(positions)
+            # planned as the whole batch is (the same attention route for every row: a part
+            # of a batch that attends by matmul reads in READ_CHUNKs as well, so its shapes
+            # repeat; planned alone, 16 rows of 32 would take MLX's masked attention, which on
+            # CUDA builds a graph for every new width)
+            sub = StepBatch(positions, batch.matmul, READ_CHUNK if batch.matmul else 1, batch.exp2)
             store.begin_step(sub, max_id)
             same = len(by_format) == 1 and gather == list(range(n_rows))
             live = sorted(rows)

@@ -191,6 +191,7 @@ class Engine(HostBase):
                 info.vocab_size,
                 self._core.scheduler.prefill_budget,
                 self._core.runner.kv.ragged.prefill_bucket,
+                rt.kv_formats[1:],
             )
             try:
                 n = self._core.warm_up(waves)

@@ -7,8 +7,10 @@ synthetic requests: every batch size from 1 up to ``max_running`` in powers of t
 one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding; with
 prefill widths padded to a bucket, every bucketed width up to them) and one of several
 chunks; rows at different positions (the masked decode step) beside a prompt prefilled in
-chunks, at 2 rows and at ``max_running``; and a sampled request with penalties, top-k/top-p
-and logprobs; then it drops what they left (cached pages, counters). Engine thread only.
+chunks, at 2 rows and at ``max_running``; a sampled request with penalties, top-k/top-p
+and logprobs; with several KV formats (``--kv-formats``), every batch size in each other
+format and rows of every format at once (each format's store meets its own shapes); then it
+drops what they left (cached pages, counters). Engine thread only.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ def warm_up_waves(
     vocab_size: int,
     prefill_budget: int | None = None,
     bucket: int = 0,
+    formats: tuple[str, ...] = (),
 ) -> list[list[GenerationRequest]]:
     """The warm-up's waves, run one after the other (each to its end, so each batch size is
     met). Prompts differ from each other, so no prefix-cache hit changes a shape. The chunk
     widths met are ``prefill_step`` and, while others decode, ``prefill_budget``; with
-    ``bucket`` (prefill widths padded to its multiples), each multiple up to the larger."""
+    ``bucket`` (prefill widths padded to its multiples), each multiple up to the larger.
+    ``formats``: the KV formats besides the server's own a request may ask for."""
     waves: list[list[GenerationRequest]] = []
     serial = 0
 
@@ -90,4 +94,17 @@ def warm_up_waves(
     waves.append(
         [GenerationRequest(prompt(PROMPT), DECODE, sampled, logprobs=True, top_logprobs=5)] * 2
     )
+    for fmt in formats:
+        for size in sizes:
+            waves.append([GenerationRequest(prompt(PROMPT), DECODE, greedy, kv_format=fmt)] * size)
+    if formats:  # every format at once, rows at different positions
+        every = ("", *formats)
+        waves.append(
+            [
+                GenerationRequest(
+                    prompt(PROMPT + i % 16), RAGGED_DECODE, greedy, kv_format=every[i % len(every)]
+                )
+                for i in range(max(max_running, len(every)))
+            ]
+        )
     return waves
