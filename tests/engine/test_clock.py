@@ -6,7 +6,7 @@ import logging
 
 from veloxquant_mlx.engine.loop import clock as clock_module
 from veloxquant_mlx.engine.loop.clock import TurnClock
-from veloxquant_mlx.engine.loop.scheduler import Chunk, StepPlan
+from veloxquant_mlx.engine.loop.seq import Chunk, StepPlan
 
 
 class Prompt:  # what the clock reads of a Seq: its tokens

@@ -6,7 +6,8 @@ under a long prompt are ``benchmarks.stall_bench``'s."""
 from __future__ import annotations
 
 from tests.conftest import assert_pool_all_free
-from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig

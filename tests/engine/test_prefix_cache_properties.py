@@ -25,7 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.conftest import assert_pool_all_free
 from veloxquant_mlx.engine.loop.prefix_cache import CACHE_OWNER
-from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig

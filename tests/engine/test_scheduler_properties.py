@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.conftest import assert_pool_all_free
-from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq, StepPlan
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 from veloxquant_mlx.kv.paged import PagedKV

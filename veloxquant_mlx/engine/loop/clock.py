@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.scheduler import StepPlan
+    from veloxquant_mlx.engine.loop.seq import StepPlan
 
 log = logging.getLogger("veloxquant.engine")
 

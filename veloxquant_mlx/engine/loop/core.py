@@ -34,7 +34,8 @@ from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
 from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
 from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
-from veloxquant_mlx.engine.loop.scheduler import Scheduler, Seq
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource
 from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID
 from veloxquant_mlx.engine.request.detokenize import Detokenizer

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.inbox import Inbox
 from veloxquant_mlx.engine.loop.runner import Sampled
-from veloxquant_mlx.engine.loop.scheduler import Seq
+from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.request.running import Running
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent, Usage

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from veloxquant_mlx.engine.loop.scheduler import Chunk, Seq, StepPlan
+from veloxquant_mlx.engine.loop.seq import Chunk, Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
 from veloxquant_mlx.engine.request.sampling import (

@@ -17,100 +17,15 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from veloxquant_mlx.engine.loop.blocks import BlockMath
+from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
-from veloxquant_mlx.engine.request.handle import RequestHandle
+from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
-if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.runner import RowState
-    from veloxquant_mlx.engine.request.running import Running
-
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
-
-
-@dataclass(eq=False, slots=True)
-class Seq:
-    """One request's tokens and block table. Each part has one writer:
-
-    - the scheduler: ``table`` (``table[2 * layer]`` lists the K block ids of ``layer`` in
-      position order, ``[2 * layer + 1]`` its V blocks), ``n_kv`` (how many tokens have KV
-      written or planned), ``decoding`` (its prompt is in: it is a row of the decode batch),
-      ``pages`` and ``preemptions``;
-    - the core's read-back: ``tokens`` (the prompt, then every generated token) and ``out``
-      (its output state: detokenizer, stops, counts);
-    - the runner: ``state`` (its MLX side: sampler, processors, prefill caches).
-    """
-
-    handle: RequestHandle
-    tokens: list[int]
-    n_prompt: int
-    table: list[list[int]] = field(default_factory=list)
-    n_kv: int = 0
-    decoding: bool = False
-    preemptions: int = 0
-    state: RowState | None = None
-    pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
-    preloaded: Any = None  # KV the disk tier loaded past its pages (the runner takes it)
-    out: Running | None = None
-
-    @property
-    def request_id(self) -> int:
-        return self.handle.request_id
-
-    @property
-    def group(self) -> int:
-        """Its client request's group (a request of its own: minus its id)."""
-        return self.handle.request.group or -self.handle.request_id
-
-    @property
-    def kv_format(self) -> str:
-        """The KV format its request asked for ("": the server's own; ``--kv-formats``)."""
-        return self.handle.request.kv_format
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.tokens) - self.n_prompt
-
-    @property
-    def n_blocks(self) -> int:
-        """Blocks per layer and stream."""
-        return len(self.table[0]) if self.table else 0
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """``n`` prompt tokens of ``seq`` from position ``start``, in one forward."""
-
-    seq: Seq
-    start: int
-    n: int
-
-    @property
-    def completes(self) -> bool:
-        """The prompt is all in after it: the row joins the decode batch."""
-        return self.start + self.n == len(self.seq.tokens)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What one step does, decided by ``Scheduler.schedule``; the core carries it out in this
-    order: end ``unservable`` and ``outgrown``, start ``admitted``, take ``preempted`` out of the
-    batch, mirror ``grown`` tables, prefill ``together`` (one padded forward) and ``chunks``,
-    then decode every row of the batch."""
-
-    admitted: list[Seq] = field(default_factory=list)
-    unservable: list[Seq] = field(default_factory=list)  # a shrink made them too large
-    preempted: list[Seq] = field(default_factory=list)  # back in the queue, blocks freed
-    # Alone and out of blocks: it outgrew the whole pool (True: as configured, so its
-    # completion ends there, "length"; False: after a shrink, capacity_reduced).
-    outgrown: list[tuple[Seq, bool]] = field(default_factory=list)
-    grown: list[tuple[Seq, int]] = field(default_factory=list)  # (seq, blocks it had)
-    together: list[Seq] = field(default_factory=list)  # short fresh prompts, one forward
-    chunks: list[Chunk] = field(default_factory=list)
 
 
 class Scheduler:
@@ -471,7 +386,13 @@ class Scheduler:
         self.reclaim(plan)
         plan.admitted, plan.unservable = self.admit()
         self.make_room(plan)
-        self._plan_prefill(plan)
+        plan_prefill(
+            plan, self.running, self.prefill_budget, self.idle_prefill_budget, self.prefill_step
+        )
+        for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
+            # Admission took blocks for the prompt and the first token: nothing to grow.
+            need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)
+            assert seq.n_blocks >= need, "a row joins short"
         return plan
 
     def decoded(self, rows: list[Seq | None]) -> None:
@@ -499,65 +420,6 @@ class Scheduler:
                     break
                 self.preempt(victim)
                 plan.preempted.append(victim)
-
-    def _plan_prefill(self, plan: StepPlan) -> None:
-        """Spend the prefill budget on the admitted rows not yet decoding, oldest first
-        (``prefill_budget`` while some row decodes: the step pauses its stream; else
-        ``idle_prefill_budget``): whole short prompts that have not started, together in one
-        padded forward; the rest a chunk at a time, a prompt that one chunk holds only whole
-        (a forward costs the host about the same whatever its width: a prompt the budget left
-        cannot finish waits for the next step, where it goes in whole, rather than go in as
-        two forwards). With several groups' prompts pending, a group of several spends at most
-        an even share of the budget, so one client's many long prompts do not hold back
-        another's."""
-        pending = [s for s in self.running if not s.decoding]
-        if not pending:
-            return
-        decoding = len(pending) < len(self.running)
-        budget = self.prefill_budget if decoding else self.idle_prefill_budget
-        step = self.prefill_step
-        fresh: list[Seq] = []
-        width = 0
-        for seq in pending:
-            n = len(seq.tokens)
-            if seq.n_kv == 0 and n <= step:
-                if max(width, n) * (len(fresh) + 1) > budget:
-                    break
-                fresh.append(seq)
-                width = max(width, n)
-        if len(fresh) > 1:
-            plan.together = fresh
-            budget -= width * len(fresh)
-            for seq in fresh:
-                seq.n_kv, seq.decoding = len(seq.tokens), True
-            pending = [s for s in pending if s not in fresh]
-        spent = bool(plan.together)
-        # Several groups' prompts pending: a group of several spends at most an even share of
-        # the budget (a lone prompt is not split by it).
-        count = collections.Counter(s.group for s in pending)
-        cap = -(-budget // len(count)) if len(count) > 1 else budget
-        by_group: collections.Counter[int] = collections.Counter()
-        for seq in pending:
-            if budget <= 0:
-                break
-            mine = cap if count[seq.group] > 1 else budget
-            allowed = min(budget, mine - by_group[seq.group])
-            if allowed <= 0:
-                continue
-            left = len(seq.tokens) - seq.n_kv
-            if spent and left <= step and allowed < left:
-                continue  # one chunk holds it: it goes in whole, next step
-            chunk = Chunk(seq, seq.n_kv, min(left, max(1, min(allowed, step))))
-            plan.chunks.append(chunk)
-            seq.n_kv += chunk.n
-            seq.decoding = chunk.completes
-            budget -= chunk.n
-            by_group[seq.group] += chunk.n
-            spent = True
-        for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
-            # Admission took blocks for the prompt and the first token: nothing to grow.
-            need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)
-            assert seq.n_blocks >= need, "a row joins short"
 
     def finish(self, seq: Seq) -> None:
         """Take ``seq`` out (running or waiting) and free its blocks."""
