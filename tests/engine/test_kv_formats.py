@@ -13,12 +13,16 @@ from tests.engine.conftest import wait_idle
 from tests.engine.test_kv_format import stock_quantized_tokens
 from tests.engine.test_layouts import stock_tokens
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.seq import Seq
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     FinishEvent,
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
 )
+from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -159,3 +163,52 @@ def test_the_flag_is_read_as_a_list_and_unknown_names_are_refused():
     assert settings.kv_format_list == ("int4", "auto")
     with pytest.raises(SettingsError, match="--kv-formats takes auto, fp16, bf16, fp32, int8"):
         load_settings(["--n-blocks", "64", "--kv-formats", "int8,int2"])
+
+
+def test_rows_of_several_formats_preempted_come_back_and_finish(make_engine):
+    """Six long requests of three formats in a pool that holds about half of them: rows are
+    preempted (their pages cached in their own format) and resumed; every request ends with
+    all its tokens and nothing leaks (the fixture checks the pool)."""
+    engine = make_engine(
+        n_blocks=900, kv_cache_mb=None, kv_format="int4", kv_formats=("int8", "fp32"),
+        prefill_step=32,
+    )  # fmt: skip
+    rng = random.Random(14)
+    asks = ["", "int8", "fp32", "fp32", "int8", ""]
+    prompts = [tuple(rng.randrange(3, 2000) for _ in range(40)) for _ in asks]
+    handles = [
+        engine.submit(GenerationRequest(p, 100, GREEDY, kv_format=f))
+        for p, f in zip(prompts, asks, strict=True)
+    ]
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert finish.finish_reason == "length" and len(tokens) == 100
+    assert engine.stats().preemptions_total > 0
+    wait_idle(engine)
+
+
+def test_a_prompt_of_another_format_does_not_wait_for_a_shared_prefill():
+    """A prompt whose next page another running request is prefilling waits for it (it will
+    hit it), unless it is of another format (it would not): it is admitted at once. Scheduler
+    only; int8 blocks, float32 pages 4 of them."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=4000))
+    sched = Scheduler(pool, 2, 8, 64, prefix_caching=True, prefill_step=32, prefill_budget=32,
+                      kv_format="int8", spans={"": 1, "int8": 1, "float32": 4})  # fmt: skip
+    prompt = tuple(range(3, 203))
+
+    def seq(rid: int, fmt: str) -> Seq:
+        request = GenerationRequest(prompt, 4, GREEDY, kv_format=fmt)
+        return Seq(RequestHandle(rid, request), list(prompt), len(prompt))
+
+    first = seq(1, "")
+    sched.waiting.append(first)
+    sched.schedule()  # admitted, its first chunk planned
+    same, other = seq(2, ""), seq(3, "float32")
+    sched.waiting.extend([same, other])
+    sched.schedule()
+    assert other in sched.running and same not in sched.running
+    assert other.n_blocks == 4 * -(-(len(prompt) + 1) // 16)
+    for s in list(sched.running):
+        sched.finish(s)
+    sched.waiting.clear()
+    assert pool.stats.blocks_in_use() == 0

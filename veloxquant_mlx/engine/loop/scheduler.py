@@ -282,14 +282,18 @@ class Scheduler:
         ``n_hits`` cached ones) in its own prompt, not yet cached: admitted now, ``seq`` would
         prefill the same tokens beside it; admitted once that prompt is in (its pages
         registered), it hits them. Sessions of an agent that start together with one long
-        system prompt then prefill it once, not once each."""
+        system prompt then prefill it once, not once each. (A request of another KV format
+        would not hit them: it does not wait.)"""
         if self.cache is None:
             return False
         b = (n_hits + 1) * self.blocks.block_size
         if len(seq.tokens) <= b:  # no full page left to share (the last token is prefilled)
             return False
         prefix = seq.tokens[:b]
-        return any(not other.decoding and other.tokens[:b] == prefix for other in self.running)
+        return any(
+            not other.decoding and other.kv_format == seq.kv_format and other.tokens[:b] == prefix
+            for other in self.running
+        )
 
     def _take_window(self, seq: Seq) -> bool:
         """The blocks ``seq``'s residual window takes (in the model's type, while it runs);
