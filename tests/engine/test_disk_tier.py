@@ -116,3 +116,27 @@ def test_the_directory_stays_under_its_cap(make_engine, tmp_path):
     engine.shutdown(5)
     total = sum(f.stat().st_size for f in files(tmp_path))
     assert 0 < total <= 200_000  # a page is ~64 KB here: 25 pages written, at most 3 kept
+
+
+def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_path, caplog):
+    """A file whose header is intact but whose KV bytes changed (a bit flipped on disk) fails
+    its CRC: skipped with one line, and the tokens are a cold prefill's."""
+    rng = random.Random(8)
+    prompt = words(rng, 40)  # 2 full pages; the last token is left to prefill
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    want, _ = turn(first, prompt)
+    first.shutdown(5)
+    pages = files(tmp_path)
+    assert len(pages) == (40 + 12) // BS
+    for page in pages:  # the last byte is KV data, past the header
+        data = bytearray(page.read_bytes())
+        data[-1] ^= 0x40
+        page.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        got, cached = turn(restarted, prompt)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "CRC" in skipped[0]
+    assert cached == 0 and restarted.stats().prefix_disk_hits_total == 0
+    assert got == want
+    wait_idle(restarted)

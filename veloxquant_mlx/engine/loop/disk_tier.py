@@ -5,9 +5,10 @@ memory loads the next ones from there, so a conversation survives a restart.
 A page on disk is one safetensors file named by its digest: the hash chain of every token up to
 the page's end, rooted in the engine's fingerprint (the model's files, the KV dtype, geometry
 and block size: ``fingerprint``), so another model, dtype or block size never matches; the
-file's metadata repeats the fingerprint, the digest and the page's tokens, and a load checks
-them and every array's shape and dtype. A file that fails is skipped with one log line and
-removed; it is never served and never fatal. The directory is capped at ``cap_bytes``, least
+file's metadata repeats the fingerprint, the digest and the page's tokens and holds a CRC-32
+of the arrays' bytes, and a load checks them, every array's shape and dtype and the bytes'
+CRC. A file that fails is skipped with one log line and removed; it is never served and never
+fatal. The directory is capped at ``cap_bytes``, least
 recently used first (a load touches the file, so the order survives restarts).
 
 Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
@@ -24,11 +25,13 @@ import logging
 import os
 import queue
 import threading
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from veloxquant_mlx.engine.loop.prefix_cache import Page, chain
 from veloxquant_mlx.kv.codec import Stored as Parts
@@ -83,6 +86,7 @@ class DiskTier:
         self.dtypes = dtypes
         self._lock = threading.Lock()  # the index: the engine thread and the writer
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._crcs: dict[str, str] = {}  # of the pages opened and not yet checked
         files = []
         for f in self.dir.glob("*" + SUFFIX):
             try:
@@ -143,6 +147,9 @@ class DiskTier:
                 )
                 for i in range(self.n_layers)
             ]
+            crc = meta.get("crc")
+            if crc is None:
+                raise ValueError("no CRC")
             shape = layers[0][0][0].shape
             if len(shape) != 4 or shape[0] != 1 or shape[2] != len(tokens):
                 raise ValueError(f"unexpected shape {shape}")
@@ -154,23 +161,34 @@ class DiskTier:
         except Exception as exc:  # a bad file is a miss, never a failure
             self.refuse(digest, exc)
             return None
+        self._crcs[name] = crc  # checked once the bytes are read (``check``)
         return layers
 
     def check(self, digests: list[bytes], pages: list[list[tuple[Parts, Parts]]]) -> int:
         """Read ``pages`` (opened in chain order) in one evaluation; where that fails, page by
-        page, refusing the first that fails. Returns how many, from the first, are good."""
+        page; then each page's bytes against its CRC, refusing the first page that fails.
+        Returns how many, from the first, are good."""
         try:
             mx.eval([x for layers in pages for pair in layers for parts in pair for x in parts])
-            good = len(pages)
+            read = len(pages)
         except Exception:
-            good = 0
+            read = 0
             for digest, layers in zip(digests, pages, strict=True):
                 try:
                     mx.eval([x for pair in layers for parts in pair for x in parts])
                 except Exception as exc:  # a short or damaged file
                     self.refuse(digest, exc)
                     break
-                good += 1
+                read += 1
+        good = 0
+        for digest, layers in zip(digests[:read], pages[:read], strict=True):
+            arrays = _arrays(layers)
+            if _crc(arrays) != self._crcs.pop(digest.hex(), None):
+                self.refuse(digest, ValueError("its bytes do not match their CRC"))
+                break
+            good += 1
+        for digest in digests[good:]:
+            self._crcs.pop(digest.hex(), None)
         for digest in digests[:good]:
             name = digest.hex()
             with self._lock:
@@ -194,12 +212,7 @@ class DiskTier:
         name = digest.hex()
         if self.has(digest):
             return
-        arrays = {
-            _name(i, s, j): part
-            for i, pair in enumerate(layers)
-            for s, parts in zip(("k", "v"), pair, strict=True)
-            for j, part in enumerate(parts)
-        }
+        arrays = _arrays(layers)
         try:
             self._queue.put_nowait((name, tokens, arrays))
         except queue.Full:
@@ -230,6 +243,7 @@ class DiskTier:
         path = self.dir / (name + SUFFIX)
         tmp = path.with_suffix(".tmp" + SUFFIX)
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
+        meta["crc"] = _crc(arrays)  # waits for the arrays' evaluation
         try:
             mx.save_safetensors(str(tmp), arrays, meta)
             os.replace(tmp, path)
@@ -264,6 +278,26 @@ class DiskTier:
                 name, size = self._index.popitem(last=False)
                 self.bytes -= size
             (self.dir / (name + SUFFIX)).unlink(missing_ok=True)
+
+
+def _arrays(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
+    """A page's arrays by their names in its file."""
+    return {
+        _name(i, s, j): part
+        for i, pair in enumerate(layers)
+        for s, parts in zip(("k", "v"), pair, strict=True)
+        for j, part in enumerate(parts)
+    }
+
+
+def _crc(arrays: dict[str, mx.array]) -> str:
+    """CRC-32 of the arrays' names and bytes, in name order (contiguous arrays: a page's
+    copies, or what a file loaded)."""
+    crc = 0
+    for name in sorted(arrays):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(np.asarray(mx.contiguous(arrays[name]).view(mx.uint8)).data, crc)
+    return f"{crc:08x}"
 
 
 def _name(layer: int, stream: str, part: int) -> str:
