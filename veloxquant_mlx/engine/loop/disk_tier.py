@@ -181,9 +181,9 @@ class DiskTier:
                     break
                 read += 1
         good = 0
-        for digest, layers in zip(digests[:read], pages[:read], strict=True):
-            arrays = _arrays(layers)
-            if _crc(arrays) != self._crcs.pop(digest.hex(), None):
+        crcs = _crcs([_arrays(layers) for layers in pages[:read]])
+        for digest, crc in zip(digests[:read], crcs, strict=True):
+            if crc != self._crcs.pop(digest.hex(), None):
                 self.refuse(digest, ValueError("its bytes do not match their CRC"))
                 break
             good += 1
@@ -243,7 +243,7 @@ class DiskTier:
         path = self.dir / (name + SUFFIX)
         tmp = path.with_suffix(".tmp" + SUFFIX)
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
-        meta["crc"] = _crc(arrays)  # waits for the arrays' evaluation
+        meta["crc"] = _crcs([arrays])[0]  # waits for the arrays' evaluation
         try:
             mx.save_safetensors(str(tmp), arrays, meta)
             os.replace(tmp, path)
@@ -290,14 +290,19 @@ def _arrays(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
     }
 
 
-def _crc(arrays: dict[str, mx.array]) -> str:
-    """CRC-32 of the arrays' names and bytes, in name order (contiguous arrays: a page's
-    copies, or what a file loaded)."""
-    crc = 0
-    for name in sorted(arrays):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.asarray(mx.contiguous(arrays[name]).view(mx.uint8)).data, crc)
-    return f"{crc:08x}"
+def _crcs(pages: list[dict[str, mx.array]]) -> list[str]:
+    """Each page's CRC-32 of its arrays' names and bytes, in name order (contiguous arrays:
+    a page's copies, or what a file loaded). One evaluation for all of them: an evaluation
+    per array cost the restart benchmark 40 ms for its 98 pages."""
+    views = [[(name, page[name].view(mx.uint8)) for name in sorted(page)] for page in pages]
+    mx.eval([v for page in views for _, v in page])
+    out = []
+    for page in views:
+        crc = 0
+        for name, v in page:
+            crc = zlib.crc32(np.asarray(v).data, zlib.crc32(name.encode(), crc))
+        out.append(f"{crc:08x}")
+    return out
 
 
 def _name(layer: int, stream: str, part: int) -> str:
