@@ -212,3 +212,18 @@ def test_a_prompt_of_another_format_does_not_wait_for_a_shared_prefill():
         sched.finish(s)
     sched.waiting.clear()
     assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_format_with_no_row_left_gives_its_memory_back(make_engine):
+    """Once the last float32 row leaves, the float32 store's working set is dropped while
+    int8 rows go on decoding."""
+    engine = make_engine(kv_cache_mb=8, kv_format="int8", kv_formats=("fp32",))
+    long = engine.submit(GenerationRequest(tuple(range(5, 25)), 60, GREEDY))
+    short = engine.submit(GenerationRequest(tuple(range(30, 50)), 3, GREEDY, kv_format="fp32"))
+    short.collect(60)
+    stores = engine._core.runner.kv.stores
+    seen_after = []
+    while not long.done:
+        seen_after.append(stores["float32"].rows)
+    assert long.collect(60)[1].finish_reason == "length"
+    assert seen_after and seen_after[-1] == 0

@@ -118,6 +118,10 @@ class MixedKV:
                                None if every else mx.array(live)))  # fmt: skip
         self._parts = parts
         self._order = mx.array([order.get(r, len(order)) for r in range(n_rows)])
+        held = {fmt for fmt, _ in self._where.values()}
+        for fmt, store in self.stores.items():
+            if fmt not in held and store.rows:  # no row of it left: its memory goes back
+                store.clear()
 
     def write_read(
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
