@@ -96,6 +96,11 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
 
 
+# What the clients' requests ask for as ``kv_format`` (``--kv-formats``; "auto" is the server's
+# own), empty: nothing.
+KV_FORMATS: tuple[str, ...] = ()
+
+
 def client_loop(base: str, rep: Report, deadline: float, seed: int, lock: threading.Lock) -> None:
     """One client: a random mix until the deadline."""
     rng = random.Random(seed)
@@ -123,6 +128,7 @@ def client_loop(base: str, rep: Report, deadline: float, seed: int, lock: thread
 def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, int, str]:
     """(status, whether the answer was truthful for this kind, tokens received, a note)."""
     max_tokens = rng.randint(1, 120)
+    kv = rng.choice(KV_FORMATS) if KV_FORMATS else None  # --kv-formats: a format per request
     if kind == "bad":
         path, raw, expected = rng.choice(BAD_INPUTS)
         r = http.post(
@@ -135,7 +141,7 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     if kind in ("stream", "cancel_stream"):
         body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": max_tokens, "stream": True}
         body["stream_options"] = {"include_usage": True}
-        with http.stream("POST", "/v1/completions", json=body) as r:
+        with http.stream("POST", "/v1/completions", json=_fmt(body, kv)) as r:
             if r.status_code != 200:
                 r.read()
                 return r.status_code, _honest(r), 0, ""
@@ -159,7 +165,7 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     if kind == "cancel_plain":
         body = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": 400}
         try:
-            r = http.post("/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+            r = http.post("/v1/completions", json=_fmt(body, kv), timeout=rng.uniform(0.05, 0.5))
         except httpx.TimeoutException:
             return 0, True, 0, ""
         return r.status_code, r.status_code == 200 or _honest(r), 0, ""
@@ -169,7 +175,7 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
         body = {"model": MODEL, "messages": messages, "max_tokens": 80, "response_format": fmt,
                 "temperature": rng.uniform(0.2, 1.2), "stream": rng.random() < 0.5}  # fmt: skip
         if body["stream"]:
-            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            with http.stream("POST", "/v1/chat/completions", json=_fmt(body, kv)) as r:
                 if r.status_code != 200:
                     r.read()
                     return r.status_code, _honest(r), 0, ""
@@ -182,7 +188,7 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
                         if event["choices"]:
                             text += event["choices"][0]["delta"].get("content") or ""
         else:
-            r = http.post("/v1/chat/completions", json=body)
+            r = http.post("/v1/chat/completions", json=_fmt(body, kv))
             if r.status_code != 200:
                 return r.status_code, _honest(r), 0, ""
             text = r.json()["choices"][0]["message"]["content"]
@@ -194,7 +200,7 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     if kind == "choices":
         body = {"model": MODEL, "prompt": [_prompt(rng), _prompt(rng)], "n": 2,
                 "max_tokens": max_tokens, "temperature": 0.8}  # fmt: skip
-        r = http.post("/v1/completions", json=body)
+        r = http.post("/v1/completions", json=_fmt(body, kv))
         if r.status_code == 200:
             ok = sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2, 3]
             return 200, ok, r.json()["usage"]["completion_tokens"], ""
@@ -202,17 +208,22 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     if kind == "chat":
         messages = [{"role": "user", "content": _prompt(rng)}]
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
-        r = http.post("/v1/chat/completions", json=body)
+        r = http.post("/v1/chat/completions", json=_fmt(body, kv))
     else:
         body = {
             "model": MODEL, "prompt": _prompt(rng), "max_tokens": max_tokens,
             "temperature": rng.uniform(0.1, 1.5), "top_k": rng.choice([-1, 0, 5, 50]),
             "top_p": rng.uniform(0.5, 1.0), "seed": rng.randint(-(2**63), 2**64 - 1),
         }  # fmt: skip
-        r = http.post("/v1/completions", json=body)
+        r = http.post("/v1/completions", json=_fmt(body, kv))
     if r.status_code == 200:
         return 200, True, r.json()["usage"]["completion_tokens"], ""
     return r.status_code, _honest(r), 0, ""
+
+
+def _fmt(body: dict, kv: str | None) -> dict:
+    """``body`` asking for KV format ``kv`` (None: the server's own)."""
+    return body if kv is None else {**body, "kv_format": kv}
 
 
 def _wide_schema(n: int) -> dict:
@@ -370,7 +381,10 @@ def soak(args: argparse.Namespace) -> Report:
         "--n-blocks", str(args.n_blocks), "--grow-on-exhaustion",
         "--max-blocks", str(args.n_blocks), "--max-queue", "64", "--max-running", "8",
         *(["--model", args.model] if args.model else []),
+        *(["--kv-formats", args.kv_formats] if args.kv_formats else []),
     ]  # fmt: skip
+    global KV_FORMATS
+    KV_FORMATS = ("auto", *filter(None, args.kv_formats.split(","))) if args.kv_formats else ()
     base = f"http://127.0.0.1:{port}"
     log = Path(args.log)
     with server(cmd, port, dict(os.environ), log) as proc:
@@ -479,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--no-hostile", dest="hostile", action="store_false", help="leave the hostile client out"
+    )
+    p.add_argument(
+        "--kv-formats",
+        default="",
+        help="serve these KV formats beside the default (--kv-formats), each request asking "
+        "for one of them or the default at random",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--log", default="soak-server.log", help="the server's log")
