@@ -191,14 +191,12 @@ class Scheduler:
     def blocks_by_format(self) -> dict[str, int]:
         """Pool blocks held, by the KV format they hold (running requests' own and every
         cached page; the windows apart): what ``blocks_in_use`` counts in the pool, split."""
-        per_unit = 2 * self.n_layers
         out: collections.Counter[str] = collections.Counter()
-        for seq in self.running:
-            own = seq.n_blocks - sum(p.span for p in seq.pages.held)
-            out[seq.kv_format or self.kv_format] += own * per_unit
+        for seq in self.running:  # O(1) each: the pool counts an owner's blocks
+            out[seq.kv_format or self.kv_format] += self.pool.n_blocks_for(seq.request_id)
         if self.cache is not None:
             for fmt, units in self.cache.units_by_format.items():
-                out[fmt or self.kv_format] += units * per_unit
+                out[fmt or self.kv_format] += units * 2 * self.n_layers
         return dict(out)
 
     # ------------------------------------------------------------------ queue
