@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
+
+import mlx.core as mx
 
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine
@@ -70,6 +74,37 @@ def test_pages_evicted_under_pressure_are_written_and_found(make_engine, tmp_pat
     assert engine.stats().prefix_disk_hits_total > 0
     plain = make_engine(kv_cache_mb=32, prefix_caching=False)
     assert got == turn(plain, again, 4)[0]
+
+
+def test_a_page_queued_for_the_writer_is_served_before_it_is_written(
+    make_engine, tmp_path, monkeypatch
+):
+    rng = random.Random(6)
+    engine = make_engine(n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path))
+    gate = threading.Event()
+    save = mx.save_safetensors
+
+    def held_back(*args, **kwargs):  # the writer is slow: nothing reaches the disk yet
+        assert gate.wait(60)
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "save_safetensors", held_back)
+    prompts = [words(rng, 300) for _ in range(3)]
+    for p in prompts:
+        turn(engine, p, 4)
+    wait_idle(engine)
+    assert engine.stats().prefix_evictions_total > 0 and files(tmp_path) == []
+    again = prompts[0] + words(rng, 3)
+    got, cached = turn(engine, again, 4)
+    assert cached == 300 // BS * BS  # memory, then the writer's queue
+    assert engine.stats().prefix_disk_hits_total > 0 and files(tmp_path) == []
+    gate.set()
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert got == turn(plain, again, 4)[0]
+    deadline = time.monotonic() + 30
+    while engine.stats().prefix_disk_writes_total == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(files(tmp_path)) == engine.stats().prefix_disk_writes_total > 0
 
 
 def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path, caplog):

@@ -142,6 +142,19 @@ def test_cached_blocks_are_evicted_before_anyone_is_refused(make_engine):
     assert after.rejections_total == {} and after.preemptions_total == 0
 
 
+def test_pressure_evicts_a_conversation_from_its_tail_so_its_start_still_hits(make_engine):
+    # 24 pages; a 20-page conversation, then a 10-page stranger takes 6 of its pages
+    engine = make_engine(n_blocks=2 * 4 * 24, max_running=1)
+    rng = random.Random(8)
+    convo = words(rng, 20 * BS)
+    run(engine, [convo], max_tokens=4)
+    run(engine, [words(rng, 10 * BS - 6)], max_tokens=4)
+    assert engine.stats().prefix_evictions_total > 0
+    [(_, cached, _, _)] = run(engine, [convo + words(rng, 5)], max_tokens=4)
+    # the pages it lost were its last ones: what is left is a prefix a lookup reaches
+    assert 10 * BS <= cached < 20 * BS
+
+
 def test_shrink_retires_evictable_cached_blocks_never_held_ones(make_engine):
     engine = make_engine(n_blocks=2 * 400)
     rng = random.Random(4)

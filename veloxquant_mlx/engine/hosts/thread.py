@@ -24,7 +24,7 @@ from veloxquant_mlx.engine.hosts.base import HostBase, wait_cancellable
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
-from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
 from veloxquant_mlx.engine.loop.warmup import warm_up_waves
@@ -349,15 +349,16 @@ class Engine(HostBase):
         """A frozen snapshot of the counters and the last published step. Thread-safe."""
         ib = self._inbox
         with ib.lock:
-            c, snap, queued = ib.counters, ib.snapshot, len(ib.adds)
+            c, snap, queued, disk = ib.counters, ib.snapshot, len(ib.adds), ib.disk
             counters = {
                 "prompt_tokens_total": c.prompt_tokens,
                 "generated_tokens_total": c.generated_tokens,
                 "requests_finished_total": dict(c.finished),
                 "failures_total": dict(c.failed),
             }
+        live = {} if disk is None else disk_fields(disk)
         return EngineStats.of(
-            dataclasses.replace(snap, waiting=snap.waiting + queued),
+            dataclasses.replace(snap, waiting=snap.waiting + queued, **live),
             alive=self.alive,
             ready=self.ready,
             draining=self.draining,

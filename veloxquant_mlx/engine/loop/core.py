@@ -93,6 +93,7 @@ class EngineCore:
         self.group = group
         self.turns = TurnSource(inbox, group, config.heartbeat)
         self.inbox = inbox
+        inbox.disk = parts.disk
         self.runner = parts.runner
         self.scheduler = parts.scheduler
         self.parts = parts

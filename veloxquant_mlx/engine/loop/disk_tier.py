@@ -12,7 +12,9 @@ fatal. The directory is capped at ``cap_bytes``, least
 recently used first (a load touches the file, so the order survives restarts).
 
 Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
-is a cache); loads run on the engine thread at admission, bounded by the prompt they serve.
+is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
+that arrives right after its pages were evicted finds them. Loads run on the engine thread at
+admission, bounded by the prompt they serve.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class DiskTier:
         self._lock = threading.Lock()  # the index: the engine thread and the writer
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._crcs: dict[str, str] = {}  # of the pages opened and not yet checked
+        # pages queued for the writer, by name: their tokens and arrays (read under the lock)
+        self._pending: dict[str, tuple[list[int], dict[str, mx.array]]] = {}
         files = []
         for f in self.dir.glob("*" + SUFFIX):
             try:
@@ -122,14 +126,20 @@ class DiskTier:
             return len(self._index)
 
     def has(self, digest: bytes) -> bool:
+        name = digest.hex()
         with self._lock:
-            return digest.hex() in self._index
+            return name in self._index or name in self._pending
 
     def open(self, digest: bytes, tokens: list[int]) -> list[tuple[Parts, Parts]] | None:
         """The page ``digest`` of ``tokens`` (each layer's K and V as stored, each part
         ``[1, H, bs, *]``), read lazily (``check`` evaluates it), or None (with one log line,
-        and the file removed) when the file is missing, foreign or not this page's."""
+        and the file removed) when the file is missing, foreign or not this page's. A page
+        still queued for the writer comes from its copy in memory."""
         name = digest.hex()
+        with self._lock:
+            pending = self._pending.get(name)
+        if pending is not None and pending[0] == tokens:
+            return _layers(pending[1], self.n_layers, len(self.dtypes))
         path = self.dir / (name + SUFFIX)
         try:
             loaded: Any = mx.load(str(path), return_metadata=True)
@@ -139,14 +149,7 @@ class DiskTier:
                 raise ValueError("written for another model, format or page")
             if json.loads(meta.get("tokens", "null")) != tokens:
                 raise ValueError("its tokens differ")
-            n_parts = len(self.dtypes)
-            layers = [
-                (
-                    tuple(arrays[_name(i, "k", j)] for j in range(n_parts)),
-                    tuple(arrays[_name(i, "v", j)] for j in range(n_parts)),
-                )
-                for i in range(self.n_layers)
-            ]
+            layers = _layers(arrays, self.n_layers, len(self.dtypes))
             crc = meta.get("crc")
             if crc is None:
                 raise ValueError("no CRC")
@@ -181,9 +184,12 @@ class DiskTier:
                     break
                 read += 1
         good = 0
-        crcs = _crcs([_arrays(layers) for layers in pages[:read]])
-        for digest, crc in zip(digests[:read], crcs, strict=True):
-            if crc != self._crcs.pop(digest.hex(), None):
+        # a page read from its file is checked against its CRC; one still queued (no CRC
+        # waiting) is the engine's own copy
+        files = [i for i, digest in enumerate(digests[:read]) if digest.hex() in self._crcs]
+        crcs = dict(zip(files, _crcs([_arrays(pages[i]) for i in files]), strict=True))
+        for i, digest in enumerate(digests[:read]):
+            if i in crcs and crcs[i] != self._crcs.pop(digest.hex(), None):
                 self.refuse(digest, ValueError("its bytes do not match their CRC"))
                 break
             good += 1
@@ -213,9 +219,13 @@ class DiskTier:
         if self.has(digest):
             return
         arrays = _arrays(layers)
+        with self._lock:
+            self._pending[name] = (tokens, arrays)
         try:
             self._queue.put_nowait((name, tokens, arrays))
         except queue.Full:
+            with self._lock:
+                del self._pending[name]
             self.dropped += 1
 
     def close(self, timeout: float = 30.0) -> None:
@@ -240,6 +250,13 @@ class DiskTier:
             mx.clear_streams()
 
     def _write(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
+        try:
+            self._write_file(name, tokens, arrays)
+        finally:
+            with self._lock:
+                self._pending.pop(name, None)
+
+    def _write_file(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
         path = self.dir / (name + SUFFIX)
         tmp = path.with_suffix(".tmp" + SUFFIX)
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
@@ -288,6 +305,17 @@ def _arrays(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
         for s, parts in zip(("k", "v"), pair, strict=True)
         for j, part in enumerate(parts)
     }
+
+
+def _layers(arrays: dict[str, mx.array], n_layers: int, n_parts: int) -> list[tuple[Parts, Parts]]:
+    """A page's K and V per layer, as stored, from its arrays by name (``_arrays``' inverse)."""
+    return [
+        (
+            tuple(arrays[_name(i, "k", j)] for j in range(n_parts)),
+            tuple(arrays[_name(i, "v", j)] for j in range(n_parts)),
+        )
+        for i in range(n_layers)
+    ]
 
 
 def _crcs(pages: list[dict[str, mx.array]]) -> list[str]:

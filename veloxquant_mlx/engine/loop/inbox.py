@@ -28,6 +28,20 @@ class Counters:
     failed: collections.Counter[str] = field(default_factory=collections.Counter)  # by code
 
 
+def disk_fields(disk: DiskTier) -> dict[str, Any]:
+    """The disk tier's counters as they are now: its writer thread moves them between the
+    engine's steps too, so a caller's thread reads them live, not from the last snapshot."""
+    return {
+        "prefix_disk": True,
+        "prefix_disk_pages": disk.n_pages(),
+        "prefix_disk_bytes": disk.bytes,
+        "prefix_disk_hits_total": disk.hits,
+        "prefix_disk_writes_total": disk.writes,
+        "prefix_disk_dropped_total": disk.dropped,
+        "prefix_disk_skipped_total": disk.skipped,
+    }
+
+
 def snapshot_of(
     sched: Scheduler, runner: Runner, holds_a_request: bool, disk: DiskTier | None = None
 ) -> StepSnapshot:
@@ -44,15 +58,7 @@ def snapshot_of(
             "prefix_evictions_total": cache.evictions,
         }
     if disk is not None:
-        extra.update(
-            prefix_disk=True,
-            prefix_disk_pages=disk.n_pages(),
-            prefix_disk_bytes=disk.bytes,
-            prefix_disk_hits_total=disk.hits,
-            prefix_disk_writes_total=disk.writes,
-            prefix_disk_dropped_total=disk.dropped,
-            prefix_disk_skipped_total=disk.skipped,
-        )
+        extra.update(disk_fields(disk))
     return StepSnapshot(
         running=len(sched.running),
         waiting=len(sched.waiting),
@@ -87,6 +93,8 @@ class Inbox:
         self.counters = Counters()
         self.snapshot = StepSnapshot()
         self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
+        # the disk tier, whose writer counts while the engine is idle (``disk_fields``)
+        self.disk: DiskTier | None = None
 
     def close(self) -> tuple[list[RequestHandle], list[tuple[Command, Future[Any]]]]:
         """The engine is dead: no more intake. Returns what callers had sent that it never

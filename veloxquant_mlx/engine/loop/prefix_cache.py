@@ -139,10 +139,14 @@ class PrefixCache:
             page.refs += 1
 
     def release(self, pages: list[Page]) -> None:
-        for page in pages:
+        """Let go of ``pages`` (a chain, root first). Those nobody holds now join the most
+        recently used end tail first, so eviction takes a chain from its tail: the pages
+        left stay a prefix that a lookup can still reach (a page past an evicted one cannot
+        be matched), and the disk tier picks up where memory stops."""
+        for page in reversed(pages):
             page.refs -= 1
             if page.refs == 0:
-                self._lru[page.serial] = page  # the most recently used end
+                self._lru[page.serial] = page
                 self._evictable_units += page.span
 
     def count_lookup(self, queried: int, hit: int) -> None:
