@@ -1,7 +1,7 @@
 """A conversation's first turn after a restart, with and without ``--prefix-cache-dir``.
 
     python -m benchmarks.restart_bench [--model embedded|100m | --model-path DIR]
-        [--context-words 450] [--new-words 30] [--repeats 3] [--ours-args "..."]
+        [--context-words 450] [--new-words 30] [--repeats 3] [--ours-args "..."] [--logs DIR]
 
 For each repeat: a server with ``--prefix-cache-dir`` (a fresh directory) answers a chat of
 ``--context-words`` words (streamed, greedy, 32 tokens) and is stopped with SIGTERM (a clean
@@ -62,8 +62,11 @@ def main() -> None:
     p.add_argument("--new-words", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ours-args", default="", help="extra flags for every server")
+    p.add_argument("--logs", help="keep the servers' logs in this directory")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-restart-"))
+    logs = Path(args.logs) if args.logs else work
+    logs.mkdir(parents=True, exist_ok=True)
     env, _ = blas_envs()
     rows = []
     try:
@@ -82,7 +85,7 @@ def main() -> None:
                 cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
                        "--port", str(port), "--admin-key", "restart-bench-admin",
                        *args.ours_args.split(), *extra]  # fmt: skip
-                return port, server(cmd, port, env, work / f"{name}-{rep}.log")
+                return port, server(cmd, port, env, logs / f"{name}-{rep}.log")
 
             port, ctx = start(["--prefix-cache-dir", str(disk)], "first")
             with ctx:
