@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine
+from veloxquant_mlx.engine.loop.disk_tier import DiskTier
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -105,6 +106,41 @@ def test_a_page_queued_for_the_writer_is_served_before_it_is_written(
     while engine.stats().prefix_disk_writes_total == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(files(tmp_path)) == engine.stats().prefix_disk_writes_total > 0
+
+
+def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp_path, monkeypatch):
+    rng = random.Random(7)
+    prompt = words(rng, 300)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turn(first, prompt, 4)
+    first.shutdown(5)
+    gate, reading = threading.Event(), threading.Event()
+    read = DiskTier._read_file
+
+    def slow_disk(self, *args):  # a slow disk: the reader thread waits, the engine must not
+        reading.set()
+        assert gate.wait(60)
+        return read(self, *args)
+
+    monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
+    turns = []
+    restarted = make_engine(
+        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), step_hook=lambda: turns.append(1)
+    )
+    again = prompt + words(rng, 5)
+    waiting = restarted.submit(GenerationRequest(tuple(again), 4, GREEDY))
+    assert reading.wait(30)
+    # nothing else to do: the engine sleeps until the read is done (no turn spins)
+    time.sleep(0.3)
+    assert len(turns) < 20
+    # another request is served meanwhile
+    other, _ = turn(restarted, words(rng, 40), 6)
+    assert len(other) == 6 and restarted.stats().waiting == 1
+    gate.set()
+    tokens, finish = waiting.collect(120)
+    assert isinstance(finish, FinishEvent) and finish.usage.cached_tokens == 300 // BS * BS
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert [t.token_id for t in tokens] == turn(plain, again, 4)[0]
 
 
 def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path, caplog):

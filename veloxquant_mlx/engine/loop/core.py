@@ -94,6 +94,8 @@ class EngineCore:
         self.turns = TurnSource(inbox, group, config.heartbeat)
         self.inbox = inbox
         inbox.disk = parts.disk
+        if parts.disk is not None:
+            parts.disk.on_read = self._wake
         self.runner = parts.runner
         self.scheduler = parts.scheduler
         self.parts = parts
@@ -119,7 +121,12 @@ class EngineCore:
     # ------------------------------------------------------------------ loop
 
     def _busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting or self._scoring)
+        return self.scheduler.ready() or bool(self._scoring)
+
+    def _wake(self) -> None:
+        """Something the engine waits for outside its inbox is ready (a disk read)."""
+        with self.inbox.lock:
+            self.inbox.lock.notify_all()
 
     def run(self) -> None:
         while True:
@@ -279,8 +286,8 @@ class EngineCore:
         (nothing else runs). Returns how many requests ran."""
         n = 0
         sched, cache = self.scheduler, self.scheduler.cache
-        hooks = (sched.load_disk, None if cache is None else cache.on_evict)
-        sched.load_disk = None  # the synthetic prompts neither read nor write the disk tier
+        hooks = (sched.disk, None if cache is None else cache.on_evict)
+        sched.disk = None  # the synthetic prompts neither read nor write the disk tier
         if cache is not None:
             cache.on_evict = None
         for wave in waves:
@@ -293,7 +300,7 @@ class EngineCore:
             while self._busy() or self._inflight:
                 self._turn()
         self.scheduler.reset_cache()
-        sched.load_disk = hooks[0]
+        sched.disk = hooks[0]
         if cache is not None:
             cache.on_evict = hooks[1]
         self.scheduler.preemptions = 0

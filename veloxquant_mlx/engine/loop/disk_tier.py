@@ -13,8 +13,10 @@ recently used first (a load touches the file, so the order survives restarts).
 
 Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
 is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
-that arrives right after its pages were evicted finds them. Loads run on the engine thread at
-admission, bounded by the prompt they serve.
+that arrives right after its pages were evicted finds them. Reads go through one reader thread
+(``start_read``): a request whose next pages are on disk waits for them outside the engine's
+steps, which go on for everyone else; the reader checks each file and joins the run's pages, and
+the engine thread only takes the result (``run_kv``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import os
 import queue
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,28 @@ log = logging.getLogger("veloxquant.engine")
 
 SUFFIX = ".safetensors"
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
+# A stored part's dtype in a safetensors header, and how numpy holds its bytes (bfloat16 as
+# uint16: numpy has no bfloat16; the engine thread views it back)
+_DTYPES = {
+    mx.float32: ("F32", np.float32),
+    mx.float16: ("F16", np.float16),
+    mx.bfloat16: ("BF16", np.uint16),
+    mx.uint32: ("U32", np.uint32),
+    mx.uint8: ("U8", np.uint8),
+    mx.int8: ("I8", np.int8),
+}
+
+
+@dataclass(slots=True)
+class Run:
+    """The pages a read found, from page ``first`` on: ``segments`` in chain order, each ``(n
+    pages, the page's arrays by name)``, the arrays of consecutive files joined along the
+    token axis by the reader (raw: ``run_kv`` gives them their dtype), a page still queued for
+    the writer as its copy."""
+
+    first: int
+    n_pages: int
+    segments: list[tuple[int, dict[str, mx.array]]]
 
 
 def fingerprint(model_path: Path, parts: Iterable[object]) -> str:
@@ -88,7 +114,6 @@ class DiskTier:
         self.dtypes = dtypes
         self._lock = threading.Lock()  # the index: the engine thread and the writer
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._crcs: dict[str, str] = {}  # of the pages opened and not yet checked
         # pages queued for the writer, by name: their tokens and arrays (read under the lock)
         self._pending: dict[str, tuple[list[int], dict[str, mx.array]]] = {}
         files = []
@@ -110,6 +135,8 @@ class DiskTier:
         )
         self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
         self._writer.start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vq-disk-read")
+        self.on_read: Callable[[], None] = lambda: None  # a read finished (the engine wakes)
         self._trim()
         log.info(
             "prefix cache on disk: %s, %d pages (%.1f MiB of %.1f)",
@@ -130,80 +157,40 @@ class DiskTier:
         with self._lock:
             return name in self._index or name in self._pending
 
-    def open(self, digest: bytes, tokens: list[int]) -> list[tuple[Parts, Parts]] | None:
-        """The page ``digest`` of ``tokens`` (each layer's K and V as stored, each part
-        ``[1, H, bs, *]``), read lazily (``check`` evaluates it), or None (with one log line,
-        and the file removed) when the file is missing, foreign or not this page's. A page
-        still queued for the writer comes from its copy in memory."""
-        name = digest.hex()
-        with self._lock:
-            pending = self._pending.get(name)
-        if pending is not None and pending[0] == tokens:
-            return _layers(pending[1], self.n_layers, len(self.dtypes))
-        path = self.dir / (name + SUFFIX)
-        try:
-            loaded: Any = mx.load(str(path), return_metadata=True)
-            arrays: dict[str, mx.array] = loaded[0]
-            meta: dict[str, str] = loaded[1]
-            if meta.get("fingerprint") != self.fp or meta.get("digest") != name:
-                raise ValueError("written for another model, format or page")
-            if json.loads(meta.get("tokens", "null")) != tokens:
-                raise ValueError("its tokens differ")
-            layers = _layers(arrays, self.n_layers, len(self.dtypes))
-            crc = meta.get("crc")
-            if crc is None:
-                raise ValueError("no CRC")
-            shape = layers[0][0][0].shape
-            if len(shape) != 4 or shape[0] != 1 or shape[2] != len(tokens):
-                raise ValueError(f"unexpected shape {shape}")
-            for pair in layers:
-                for parts in pair:
-                    for part, dtype in zip(parts, self.dtypes, strict=True):
-                        if part.dtype != dtype or part.shape[:3] != shape[:3]:
-                            raise ValueError("unexpected dtype or shape")
-        except Exception as exc:  # a bad file is a miss, never a failure
-            self.refuse(digest, exc)
+    def start_read(
+        self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
+    ) -> Future[Run] | None:
+        """Read the pages of ``tokens`` from page ``first`` (whose parent's digest is
+        ``parent``) up to ``limit`` pages, while the tier has them, on the reader thread; None
+        when it lacks page ``first``."""
+        if first >= limit or not self.has(chain(parent, tokens[first * bs : (first + 1) * bs])):
             return None
-        self._crcs[name] = crc  # checked once the bytes are read (``check``)
-        return layers
+        future = self._reader.submit(self._read_run, tokens, first, parent, limit, bs)
+        future.add_done_callback(lambda _: self.on_read())
+        return future
 
-    def check(self, digests: list[bytes], pages: list[list[tuple[Parts, Parts]]]) -> int:
-        """Read ``pages`` (opened in chain order) in one evaluation; where that fails, page by
-        page; then each page's bytes against its CRC, refusing the first page that fails.
-        Returns how many, from the first, are good."""
-        try:
-            mx.eval([x for layers in pages for pair in layers for parts in pair for x in parts])
-            read = len(pages)
-        except Exception:
-            read = 0
-            for digest, layers in zip(digests, pages, strict=True):
-                try:
-                    mx.eval([x for pair in layers for parts in pair for x in parts])
-                except Exception as exc:  # a short or damaged file
-                    self.refuse(digest, exc)
-                    break
-                read += 1
-        good = 0
-        # a page read from its file is checked against its CRC; one still queued (no CRC
-        # waiting) is the engine's own copy
-        files = [i for i, digest in enumerate(digests[:read]) if digest.hex() in self._crcs]
-        crcs = dict(zip(files, _crcs([_arrays(pages[i]) for i in files]), strict=True))
-        for i, digest in enumerate(digests[:read]):
-            if i in crcs and crcs[i] != self._crcs.pop(digest.hex(), None):
-                self.refuse(digest, ValueError("its bytes do not match their CRC"))
-                break
-            good += 1
-        for digest in digests[good:]:
-            self._crcs.pop(digest.hex(), None)
-        for digest in digests[:good]:
-            name = digest.hex()
-            with self._lock:
-                if name in self._index:
-                    self._index.move_to_end(name)
-            with contextlib.suppress(OSError):
-                os.utime(self.dir / (name + SUFFIX))
-        self.hits += good
-        return good
+    def run_kv(self, run: Run, skip: int) -> list[tuple[Parts, Parts]]:
+        """``run``'s KV past its first ``skip`` pages, each layer's K and V as stored,
+        concatenated (``[1, H, n * bs, *]`` each part). Engine thread."""
+        n_parts = len(self.dtypes)
+        spans: list[list[tuple[Parts, Parts]]] = []
+        for n_pages, arrays in run.segments:
+            if skip >= n_pages:
+                skip -= n_pages
+                continue
+            typed = {}
+            for name, a in arrays.items():
+                want = self.dtypes[_part_of(name)]
+                a = a if a.dtype == want else a.view(want)
+                if skip:
+                    a = a[:, :, skip * a.shape[2] // n_pages :]
+                typed[name] = a
+            skip = 0
+            spans.append(_layers(typed, self.n_layers, n_parts))
+        return [
+            (join_spans([p[layer][0] for p in spans]), join_spans([p[layer][1] for p in spans]))
+            for layer in range(self.n_layers)
+        ]
 
     def refuse(self, digest: bytes, exc: BaseException) -> None:
         """A page file that cannot be served: one log line, and the file removed."""
@@ -229,13 +216,96 @@ class DiskTier:
             self.dropped += 1
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (for at most ``timeout`` seconds), then stop the writer."""
+        """Stop the reader; write what is queued (for at most ``timeout`` seconds), then stop
+        the writer."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             log.warning("prefix cache on disk: the writer is behind; pages queued are dropped")
             return
         self._writer.join(timeout)
+
+    # ------------------------------------------------------------------ reader thread
+
+    def _read_run(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
+        run = Run(first, 0, [])
+        files: list[dict[str, np.ndarray]] = []  # consecutive pages read, not yet joined
+
+        def flush() -> None:
+            if files:
+                run.segments.append((len(files), _join(files)))
+                files.clear()
+
+        for i in range(first, limit):
+            page_tokens = tokens[i * bs : (i + 1) * bs]
+            digest = chain(parent, page_tokens)
+            name = digest.hex()
+            with self._lock:
+                pending, on_disk = self._pending.get(name), name in self._index
+            if pending is not None and pending[0] == page_tokens:
+                flush()
+                run.segments.append((1, pending[1]))
+            elif on_disk:
+                arrays = self._read_file(digest, page_tokens)
+                if arrays is None:
+                    break
+                files.append(arrays)
+            else:
+                break
+            run.n_pages += 1
+            parent = digest
+        flush()
+        self.hits += run.n_pages
+        return run
+
+    def _read_file(self, digest: bytes, tokens: list[int]) -> dict[str, np.ndarray] | None:
+        """Page ``digest``'s arrays (bfloat16 as uint16) once every check holds: the
+        fingerprint, digest and tokens in its metadata, every part there with this tier's dtype
+        and one ``[1, H, len(tokens), *]`` shape, and the CRC of their bytes; else None (one log
+        line, the file removed). A hit refreshes the file's place in the LRU order."""
+        name = digest.hex()
+        path = self.dir / (name + SUFFIX)
+        try:
+            data = memoryview(path.read_bytes())
+            n = int.from_bytes(data[:8], "little")
+            header = json.loads(bytes(data[8 : 8 + n]))
+            meta = header.pop("__metadata__", None) or {}
+            if meta.get("fingerprint") != self.fp or meta.get("digest") != name:
+                raise ValueError("written for another model, format or page")
+            if json.loads(meta.get("tokens", "null")) != tokens:
+                raise ValueError("its tokens differ")
+            if meta.get("crc") is None:
+                raise ValueError("no CRC")
+            want = {_name(i, s, j): dt for i in range(self.n_layers) for s in "kv"
+                    for j, dt in enumerate(self.dtypes)}  # fmt: skip
+            if set(header) != set(want):
+                raise ValueError("not this tier's arrays")
+            arrays, crc, lead = {}, 0, None
+            for key in sorted(want):
+                info = header[key]
+                code, np_dtype = _DTYPES[want[key]]
+                shape = tuple(info["shape"])
+                lead = lead or shape[:3]
+                if info["dtype"] != code or len(shape) != 4 or shape[:3] != lead:
+                    raise ValueError("unexpected dtype or shape")
+                if shape[0] != 1 or shape[2] != len(tokens):
+                    raise ValueError(f"unexpected shape {shape}")
+                begin, end = info["data_offsets"]
+                raw = data[8 + n + begin : 8 + n + end]
+                arrays[key] = np.frombuffer(raw, dtype=np_dtype).reshape(shape)  # short: raises
+                crc = zlib.crc32(raw, zlib.crc32(key.encode(), crc))
+            if f"{crc:08x}" != meta["crc"]:
+                raise ValueError("its bytes do not match their CRC")
+        except Exception as exc:  # a bad file is a miss, never a failure
+            self.refuse(digest, exc)
+            return None
+        with self._lock:
+            if name in self._index:
+                self._index.move_to_end(name)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return arrays
 
     # ------------------------------------------------------------------ writer thread
 
@@ -307,6 +377,22 @@ def _arrays(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
     }
 
 
+def _join(pages: list[dict[str, np.ndarray]]) -> dict[str, mx.array]:
+    """Pages' arrays joined along the token axis, as MLX arrays (a copy, made by the reader
+    thread; nothing is evaluated there)."""
+    return {
+        key: mx.array(np.concatenate([p[key] for p in pages], axis=2) if len(pages) > 1
+                      else pages[0][key])
+        for key in pages[0]
+    }  # fmt: skip
+
+
+def _part_of(name: str) -> int:
+    """A part's index from its name in a page file (``_name``)."""
+    tail = name.rsplit(".", 1)[1]
+    return int(tail) if tail.isdigit() else 0
+
+
 def _layers(arrays: dict[str, mx.array], n_layers: int, n_parts: int) -> list[tuple[Parts, Parts]]:
     """A page's K and V per layer, as stored, from its arrays by name (``_arrays``' inverse)."""
     return [
@@ -343,38 +429,6 @@ def _reason(exc: BaseException) -> str:
     """An exception as one short line, without paths."""
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text[:120]}" if text and "/" not in text else type(exc).__name__
-
-
-def load_run(
-    tier: DiskTier, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
-) -> tuple[int, list[tuple[Parts, Parts]] | None]:
-    """Load the pages of ``tokens`` from page ``first`` (whose parent's digest is ``parent``)
-    up to ``limit`` pages, while the tier has them: how many, and their K and V per layer as
-    stored, concatenated (``[1, H, n * bs, *]`` each part)."""
-    pages: list[list[tuple[Parts, Parts]]] = []
-    digests: list[bytes] = []
-    for i in range(first, limit):
-        page_tokens = tokens[i * bs : (i + 1) * bs]
-        digest = chain(parent, page_tokens)
-        if not tier.has(digest):
-            break
-        layers = tier.open(digest, page_tokens)  # read lazily, checked below in one go
-        if layers is None:
-            break
-        pages.append(layers)
-        digests.append(digest)
-        parent = digest
-    if pages:
-        pages = pages[: tier.check(digests, pages)]
-    if not pages:
-        return 0, None
-    if len(pages) == 1:
-        return 1, pages[0]
-    joined = [
-        (join_spans([p[layer][0] for p in pages]), join_spans([p[layer][1] for p in pages]))
-        for layer in range(len(pages[0]))
-    ]
-    return len(pages), joined
 
 
 def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:

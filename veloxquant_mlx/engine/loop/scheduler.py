@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
@@ -26,6 +28,22 @@ from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
+
+log = logging.getLogger("veloxquant.engine")
+
+
+class DiskReads(Protocol):
+    """The prefix cache's disk tier as admission uses it (``disk_tier.DiskTier``)."""
+
+    def start_read(
+        self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
+    ) -> Future[Any] | None:
+        """Read the pages of ``tokens`` from page ``first`` on (up to ``limit``) off the
+        engine thread; None when the tier lacks page ``first``."""
+
+    def run_kv(self, run: Any, skip: int) -> Any:
+        """A finished read's KV past its first ``skip`` pages (``run.first``, ``run.n_pages``
+        say which it holds)."""
 
 
 class Scheduler:
@@ -73,9 +91,8 @@ class Scheduler:
         self.window_blocks = window_blocks
         self.window_format = window_format
         self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
-        # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set):
-        # (tokens, first page, its parent's digest, pages at most) -> (pages, their KV).
-        self.load_disk: Callable[[list[int], int, bytes, int], tuple[int, Any]] | None = None
+        # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set)
+        self.disk: DiskReads | None = None
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: list[Seq] = []
         self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
@@ -138,7 +155,7 @@ class Scheduler:
             self.cache.release(seq.pages.held)
         n_cached = seq.pages.n_cached
         seq.pages = SeqPages(n_cached=n_cached)
-        seq.preloaded = None
+        seq.preloaded = seq.disk_read = None
         self.pool.free_all(seq.request_id)
         seq.table = []
         seq.n_kv = 0
@@ -237,6 +254,9 @@ class Scheduler:
             hits = self._hits(head)
             if self._shares_a_prefill(head, len(hits)):
                 i += 1  # its next pages are being prefilled by another: it will hit them
+                continue
+            if not self._disk_ready(head, hits):
+                i += 1  # its next pages are being read from disk: the others go on
                 continue
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
             free = self._free_now() - self.blocks.per_stream(
@@ -349,18 +369,53 @@ class Scheduler:
                 tail_digest=hits[-1].digest,
                 n_cached=seq.pages.n_cached,
             )
-        n_hit = len(hits) * bs
-        if self.load_disk is not None and not seq.kv_format:  # the server's own format only
-            parent = hits[-1].digest if hits else cache.root
-            n_pages, seq.preloaded = self.load_disk(
-                seq.tokens, len(hits), parent, (len(seq.tokens) - 1) // bs
-            )
-            n_hit += n_pages * bs
+        n_hit = (len(hits) + self._take_disk(seq, len(hits))) * bs
         if seq.preemptions == 0:  # what the client's prompt found: usage.cached_tokens
             seq.pages.n_cached = n_hit
             cache.count_lookup(len(seq.tokens), n_hit)
         seq.n_kv = n_hit  # the runner's prefill starts here, from the pages' KV
         return True
+
+    def _disk_ready(self, seq: Seq, hits: list[Any]) -> bool:
+        """Whether ``seq`` may be admitted as far as the disk tier goes: the tier has no page
+        past its ``hits``, or the reader has read them. The first time, starts that read (the
+        server's own KV format only: the tier's files hold that one)."""
+        disk, cache = self.disk, self.cache
+        if disk is None or cache is None or seq.kv_format:
+            return True
+        if seq.disk_read is None:
+            bs = self.blocks.block_size
+            parent = hits[-1].digest if hits else cache.root
+            limit = (len(seq.tokens) - 1) // bs  # its last token is prefilled
+            seq.disk_read = disk.start_read(seq.tokens, len(hits), parent, limit, bs)
+            if seq.disk_read is None:
+                return True
+        return bool(seq.disk_read.done())
+
+    def _take_disk(self, seq: Seq, n_hits: int) -> int:
+        """The pages the disk tier read for ``seq`` past its ``n_hits`` cached ones (their KV
+        in ``seq.preloaded``): what the read found from where the memory hits end now (pages
+        cached meanwhile are skipped; if memory lost pages before the read's first, none)."""
+        future, seq.disk_read = seq.disk_read, None
+        if future is None or self.disk is None:
+            return 0
+        try:
+            run = future.result(0)
+        except Exception:  # the reader's own bug: the pages are prefilled instead
+            log.exception("prefix cache on disk: a read failed")
+            return 0
+        skip = n_hits - run.first
+        if skip < 0 or run.n_pages <= skip:
+            return 0
+        seq.preloaded = self.disk.run_kv(run, skip)
+        return int(run.n_pages - skip)
+
+    def ready(self) -> bool:
+        """Whether a step has work: a request runs, or one waits that is not waiting for the
+        disk tier's reader (whose finished reads wake the engine)."""
+        return bool(self.running) or any(
+            s.disk_read is None or s.disk_read.done() for s in self.waiting
+        )
 
     def victim(self) -> Seq:
         """The request to preempt when the pool runs out: the newest running one."""

@@ -38,6 +38,7 @@ class Seq:
     state: RowState | None = None
     pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
     preloaded: Any = None  # KV the disk tier loaded past its pages (the runner takes it)
+    disk_read: Any = None  # the disk tier's read of its next pages (a Future), while waiting
     out: Running | None = None
 
     @property

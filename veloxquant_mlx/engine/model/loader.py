@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.blocks import BlockMath
-from veloxquant_mlx.engine.loop.disk_tier import DiskTier, fingerprint, load_run, save_pages
+from veloxquant_mlx.engine.loop.disk_tier import DiskTier, fingerprint, save_pages
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
@@ -244,12 +244,7 @@ def disk_tier(
         tuple(part.dtype for part in probe),
     )
     cache.root = tier.root_digest
-    bs = cfg.block_size
-
-    def load(tokens: list[int], first: int, parent: bytes, limit: int) -> tuple[int, Any]:
-        return load_run(tier, tokens, first, parent, limit, bs)
-
-    scheduler.load_disk = load
+    scheduler.disk = tier
     cache.on_evict = lambda pages: save_pages(tier, runner.kv, pages)
     return tier
 
