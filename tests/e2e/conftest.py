@@ -164,7 +164,10 @@ def tool_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
     config["chat_template"] = TOOL_TEMPLATE
     config_path.write_text(json.dumps(config))
     os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
-    srv = start_server(tmp_path_factory.mktemp("tools"), "--model", str(model))
+    # the model names Claude Code sends (tests/fixtures/claude_code_request.json) are served
+    srv = start_server(
+        tmp_path_factory.mktemp("tools"), "--model", str(model), "--model-aliases", "claude-*"
+    )
     yield srv
     srv.wait_pool_free()
     assert stop_server(srv) == 0, srv.log()

@@ -123,7 +123,7 @@ def test_a_stop_sequence_is_reported_with_its_text(claude):
 
 def test_errors_have_anthropics_shape(claude, tool_server):
     with pytest.raises(anthropic.NotFoundError) as info:
-        claude.messages.create(model="claude-nope", max_tokens=4,
+        claude.messages.create(model="gpt-nope", max_tokens=4,
                                messages=[{"role": "user", "content": "x"}])  # fmt: skip
     assert info.value.body["type"] == "error"
     assert info.value.body["error"]["type"] == "not_found_error"

@@ -215,6 +215,26 @@ async def test_unknown_model_is_404_and_nothing_is_loaded(client):
     assert_openai_error(r, 404, "model_not_found")
 
 
+async def test_model_aliases_serve_other_names_and_patterns(client_for):
+    client = await client_for(model_aliases="gpt-4o, claude-*")
+    ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+    assert ids == [MODEL, "gpt-4o"]  # a pattern is not listed
+    for name in ("gpt-4o", "claude-haiku-4-5-20251001"):
+        assert (await client.get(f"/v1/models/{name}")).json()["id"] == name
+        r = await client.post("/v1/chat/completions", json={**CHAT, "model": name})
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+    r = await client.post(
+        "/v1/messages",
+        json={"model": "claude-sonnet-4-5", "max_tokens": 4,
+              "messages": [{"role": "user", "content": "hi"}]},
+    )  # fmt: skip
+    assert r.status_code == 200 and r.json()["type"] == "message"
+    r = await client.post("/v1/completions", json={**COMPLETION, "model": "gpt-4"})
+    assert_openai_error(r, 404, "model_not_found")
+    r = await client.post("/v1/completions", json={**COMPLETION, "model": "xclaude-1"})
+    assert_openai_error(r, 404, "model_not_found")
+
+
 async def test_unknown_path_404_and_wrong_method_405(client):
     assert_openai_error(await client.get("/v2/whatever"), 404)
     assert_openai_error(await client.get("/v1/completions"), 405)

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id in the API (default: the model directory's name)."
     )
+    model_aliases: str = Field(
+        "",
+        description="Comma-separated other model ids requests may name, shell-style patterns "
+        "allowed: e.g. 'claude-*' serves every model Claude Code asks for (its main and "
+        "background models) with this one. Ids without a pattern are listed in /v1/models.",
+    )
     model_cache_dir: str | None = Field(
         None,
         description="Where the embedded default model is made (default ~/.cache/veloxquant-mlx).",
@@ -356,6 +362,11 @@ class Settings(BaseSettings):
             if value is not None and len(value) < 8:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 8 characters")
         return self
+
+    def model_alias_list(self) -> tuple[str, ...]:
+        """--model-aliases as ids and patterns, in order, without repeats."""
+        names = (a.strip() for a in self.model_aliases.split(","))
+        return tuple(dict.fromkeys(a for a in names if a))
 
     @property
     def kv_format_list(self) -> tuple[str, ...]:

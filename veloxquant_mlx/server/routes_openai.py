@@ -20,6 +20,7 @@ from veloxquant_mlx.server.submission import (
     check_model,
     fingerprint,
     model_card,
+    model_cards,
     sse_response,
     submit_all,
     token_text,
@@ -30,14 +31,14 @@ router = APIRouter(prefix="/v1")  # the API key is checked before the body (midd
 
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(state(request))]}
+    return {"object": "list", "data": model_cards(state(request))}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     st = state(request)
     check_model(st, model_id)
-    return model_card(st)
+    return model_card(st, model_id)
 
 
 # ---------------------------------------------------------------------- completions

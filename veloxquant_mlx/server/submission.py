@@ -4,6 +4,7 @@ SSE response, fingerprints."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +43,15 @@ NO_WINDOW_MAX_TOKENS = 4096
 OFF_LOOP_CHARS = 8_000
 
 
-def model_card(st: AppState) -> dict[str, Any]:
+def model_cards(st: AppState) -> list[dict[str, Any]]:
+    """The served model's card, then one per alias that is an id, not a pattern."""
+    ids = [a for a in st.settings.model_alias_list() if not any(c in a for c in "*?[")]
+    return [model_card(st, name) for name in dict.fromkeys([st.model_name, *ids])]
+
+
+def model_card(st: AppState, name: str | None = None) -> dict[str, Any]:
     return {
-        "id": st.model_name,
+        "id": name or st.model_name,
         "object": "model",
         "created": st.started,
         "owned_by": "veloxquant",
@@ -58,14 +65,18 @@ def fingerprint(st: AppState) -> str:
 
 
 def check_model(st: AppState, model: str | None) -> None:
-    """A request may omit ``model`` (the served one is meant), as vLLM and llama.cpp allow."""
-    if model is not None and model != st.model_name:
-        raise APIError(
-            404,
-            f"the model '{model}' does not exist; this server serves '{st.model_name}'",
-            code="model_not_found",
-            param="model",
-        )
+    """A request may omit ``model`` (the served one is meant), as vLLM and llama.cpp allow;
+    else it names the served model or one of ``--model-aliases`` (shell-style patterns)."""
+    if model is None or model == st.model_name:
+        return
+    if any(fnmatch.fnmatchcase(model, alias) for alias in st.settings.model_alias_list()):
+        return
+    raise APIError(
+        404,
+        f"the model '{model}' does not exist; this server serves '{st.model_name}'",
+        code="model_not_found",
+        param="model",
+    )
 
 
 def sampling(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
