@@ -2,14 +2,12 @@
 stop every cached page, are written to disk, and a prompt that runs past its cached pages in
 memory loads the next ones from there, so a conversation survives a restart.
 
-A page on disk is one safetensors file named by its digest: the hash chain of every token up to
-the page's end, rooted in the engine's fingerprint (the model's files, the KV dtype, geometry
-and block size: ``fingerprint``), so another model, dtype or block size never matches; the
-file's metadata repeats the fingerprint, the digest and the page's tokens and holds a CRC-32
-of the arrays' bytes, and a load checks them, every array's shape and dtype and the bytes'
-CRC. A file that fails is skipped with one log line and removed; it is never served and never
-fatal. The directory is capped at ``cap_bytes``, least
-recently used first (a load touches the file, so the order survives restarts).
+A page on disk is one file named by its digest (``page_file``: what it holds and how a read
+checks it): the hash chain of every token up to the page's end, rooted in the engine's
+fingerprint, so another model, dtype or block size never matches. A file that fails a check is
+skipped with one log line and removed; it is never served and never fatal. The directory is
+capped at ``cap_bytes``, least recently used first (a load touches the file, so the order
+survives restarts).
 
 Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
 is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
@@ -23,14 +21,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import queue
 import threading
-import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,24 +35,23 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.engine.loop.page_file import (
+    SUFFIX,
+    arrays_of,
+    crcs,
+    join_files,
+    layers_of,
+    parse,
+    part_of,
+    reason,
+)
 from veloxquant_mlx.engine.loop.prefix_cache import Page, chain
 from veloxquant_mlx.kv.codec import Stored as Parts
 from veloxquant_mlx.kv.codec import copy_span, join_spans
 
 log = logging.getLogger("veloxquant.engine")
 
-SUFFIX = ".safetensors"
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
-# A stored part's dtype in a safetensors header, and how numpy holds its bytes (bfloat16 as
-# uint16: numpy has no bfloat16; the engine thread views it back)
-_DTYPES = {
-    mx.float32: ("F32", np.float32),
-    mx.float16: ("F16", np.float16),
-    mx.bfloat16: ("BF16", np.uint16),
-    mx.uint32: ("U32", np.uint32),
-    mx.uint8: ("U8", np.uint8),
-    mx.int8: ("I8", np.int8),
-}
 
 
 @dataclass(slots=True)
@@ -69,25 +64,6 @@ class Run:
     first: int
     n_pages: int
     segments: list[tuple[int, dict[str, mx.array]]]
-
-
-def fingerprint(model_path: Path, parts: Iterable[object]) -> str:
-    """The identity of a page's KV: the model's config and weight files (name, size, first and
-    last MiB of each) and ``parts`` (dtype, geometry, block size, format)."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(repr(part).encode())
-    config = model_path / "config.json"
-    if config.is_file():
-        h.update(config.read_bytes())
-    for f in sorted(model_path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
-    return h.hexdigest()
 
 
 class DiskTier:
@@ -180,13 +156,13 @@ class DiskTier:
                 continue
             typed = {}
             for name, a in arrays.items():
-                want = self.dtypes[_part_of(name)]
+                want = self.dtypes[part_of(name)]
                 a = a if a.dtype == want else a.view(want)
                 if skip:
                     a = a[:, :, skip * a.shape[2] // n_pages :]
                 typed[name] = a
             skip = 0
-            spans.append(_layers(typed, self.n_layers, n_parts))
+            spans.append(layers_of(typed, self.n_layers, n_parts))
         return [
             (join_spans([p[layer][0] for p in spans]), join_spans([p[layer][1] for p in spans]))
             for layer in range(self.n_layers)
@@ -196,7 +172,7 @@ class DiskTier:
         """A page file that cannot be served: one log line, and the file removed."""
         self.skipped += 1
         name = digest.hex()
-        log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", _reason(exc))
+        log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", reason(exc))
         self._forget(name, unlink=True)
 
     def save(self, digest: bytes, tokens: list[int], layers: list[tuple[Parts, Parts]]) -> None:
@@ -205,7 +181,7 @@ class DiskTier:
         name = digest.hex()
         if self.has(digest):
             return
-        arrays = _arrays(layers)
+        arrays = arrays_of(layers)
         with self._lock:
             self._pending[name] = (tokens, arrays)
         try:
@@ -234,7 +210,7 @@ class DiskTier:
 
         def flush() -> None:
             if files:
-                run.segments.append((len(files), _join(files)))
+                run.segments.append((len(files), join_files(files)))
                 files.clear()
 
         for i in range(first, limit):
@@ -260,43 +236,13 @@ class DiskTier:
         return run
 
     def _read_file(self, digest: bytes, tokens: list[int]) -> dict[str, np.ndarray] | None:
-        """Page ``digest``'s arrays (bfloat16 as uint16) once every check holds: the
-        fingerprint, digest and tokens in its metadata, every part there with this tier's dtype
-        and one ``[1, H, len(tokens), *]`` shape, and the CRC of their bytes; else None (one log
-        line, the file removed). A hit refreshes the file's place in the LRU order."""
+        """Page ``digest``'s arrays once its file passes ``page_file.parse``'s checks; else
+        None (one log line, the file removed). A hit refreshes the file's place in the LRU
+        order."""
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:
-            data = memoryview(path.read_bytes())
-            n = int.from_bytes(data[:8], "little")
-            header = json.loads(bytes(data[8 : 8 + n]))
-            meta = header.pop("__metadata__", None) or {}
-            if meta.get("fingerprint") != self.fp or meta.get("digest") != name:
-                raise ValueError("written for another model, format or page")
-            if json.loads(meta.get("tokens", "null")) != tokens:
-                raise ValueError("its tokens differ")
-            if meta.get("crc") is None:
-                raise ValueError("no CRC")
-            want = {_name(i, s, j): dt for i in range(self.n_layers) for s in "kv"
-                    for j, dt in enumerate(self.dtypes)}  # fmt: skip
-            if set(header) != set(want):
-                raise ValueError("not this tier's arrays")
-            arrays, crc, lead = {}, 0, None
-            for key in sorted(want):
-                info = header[key]
-                code, np_dtype = _DTYPES[want[key]]
-                shape = tuple(info["shape"])
-                lead = lead or shape[:3]
-                if info["dtype"] != code or len(shape) != 4 or shape[:3] != lead:
-                    raise ValueError("unexpected dtype or shape")
-                if shape[0] != 1 or shape[2] != len(tokens):
-                    raise ValueError(f"unexpected shape {shape}")
-                begin, end = info["data_offsets"]
-                raw = data[8 + n + begin : 8 + n + end]
-                arrays[key] = np.frombuffer(raw, dtype=np_dtype).reshape(shape)  # short: raises
-                crc = zlib.crc32(raw, zlib.crc32(key.encode(), crc))
-            if f"{crc:08x}" != meta["crc"]:
-                raise ValueError("its bytes do not match their CRC")
+            arrays = parse(path.read_bytes(), self.fp, name, tokens, self.n_layers, self.dtypes)
         except Exception as exc:  # a bad file is a miss, never a failure
             self.refuse(digest, exc)
             return None
@@ -330,14 +276,14 @@ class DiskTier:
         path = self.dir / (name + SUFFIX)
         tmp = path.with_suffix(".tmp" + SUFFIX)
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
-        meta["crc"] = _crcs([arrays])[0]  # waits for the arrays' evaluation
+        meta["crc"] = crcs([arrays])[0]  # waits for the arrays' evaluation
         try:
             mx.save_safetensors(str(tmp), arrays, meta)
             os.replace(tmp, path)
             size = path.stat().st_size
         except Exception as exc:  # a full disk, a removed directory: the page is not kept
             self.dropped += 1
-            log.warning("prefix cache on disk: could not write a page (%s)", _reason(exc))
+            log.warning("prefix cache on disk: could not write a page (%s)", reason(exc))
             tmp.unlink(missing_ok=True)
             return
         with self._lock:
@@ -365,70 +311,6 @@ class DiskTier:
                 name, size = self._index.popitem(last=False)
                 self.bytes -= size
             (self.dir / (name + SUFFIX)).unlink(missing_ok=True)
-
-
-def _arrays(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
-    """A page's arrays by their names in its file."""
-    return {
-        _name(i, s, j): part
-        for i, pair in enumerate(layers)
-        for s, parts in zip(("k", "v"), pair, strict=True)
-        for j, part in enumerate(parts)
-    }
-
-
-def _join(pages: list[dict[str, np.ndarray]]) -> dict[str, mx.array]:
-    """Pages' arrays joined along the token axis, as MLX arrays (a copy, made by the reader
-    thread; nothing is evaluated there)."""
-    return {
-        key: mx.array(np.concatenate([p[key] for p in pages], axis=2) if len(pages) > 1
-                      else pages[0][key])
-        for key in pages[0]
-    }  # fmt: skip
-
-
-def _part_of(name: str) -> int:
-    """A part's index from its name in a page file (``_name``)."""
-    tail = name.rsplit(".", 1)[1]
-    return int(tail) if tail.isdigit() else 0
-
-
-def _layers(arrays: dict[str, mx.array], n_layers: int, n_parts: int) -> list[tuple[Parts, Parts]]:
-    """A page's K and V per layer, as stored, from its arrays by name (``_arrays``' inverse)."""
-    return [
-        (
-            tuple(arrays[_name(i, "k", j)] for j in range(n_parts)),
-            tuple(arrays[_name(i, "v", j)] for j in range(n_parts)),
-        )
-        for i in range(n_layers)
-    ]
-
-
-def _crcs(pages: list[dict[str, mx.array]]) -> list[str]:
-    """Each page's CRC-32 of its arrays' names and bytes, in name order (contiguous arrays:
-    a page's copies, or what a file loaded). One evaluation for all of them: an evaluation
-    per array cost the restart benchmark 40 ms for its 98 pages."""
-    views = [[(name, page[name].view(mx.uint8)) for name in sorted(page)] for page in pages]
-    mx.eval([v for page in views for _, v in page])
-    out = []
-    for page in views:
-        crc = 0
-        for name, v in page:
-            crc = zlib.crc32(np.asarray(v).data, zlib.crc32(name.encode(), crc))
-        out.append(f"{crc:08x}")
-    return out
-
-
-def _name(layer: int, stream: str, part: int) -> str:
-    """A part's name in a page file: "3.k" (a float page's, or a quantized one's codes),
-    "3.k.1" / "3.k.2" (scales, biases)."""
-    return f"{layer}.{stream}" if part == 0 else f"{layer}.{stream}.{part}"
-
-
-def _reason(exc: BaseException) -> str:
-    """An exception as one short line, without paths."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text[:120]}" if text and "/" not in text else type(exc).__name__
 
 
 def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:

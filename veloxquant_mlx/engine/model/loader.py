@@ -12,8 +12,9 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.blocks import BlockMath
-from veloxquant_mlx.engine.loop.disk_tier import DiskTier, fingerprint, save_pages
+from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
+from veloxquant_mlx.engine.loop.page_file import fingerprint
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
