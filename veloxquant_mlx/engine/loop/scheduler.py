@@ -16,34 +16,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
+from veloxquant_mlx.engine.loop import lookup
 from veloxquant_mlx.engine.loop.blocks import BlockMath
+from veloxquant_mlx.engine.loop.lookup import DiskReads
 from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
-
-log = logging.getLogger("veloxquant.engine")
-
-
-class DiskReads(Protocol):
-    """The prefix cache's disk tier as admission uses it (``disk_tier.DiskTier``)."""
-
-    def start_read(
-        self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
-    ) -> Future[Any] | None:
-        """Read the pages of ``tokens`` from page ``first`` on (up to ``limit``) off the
-        engine thread; None when the tier lacks page ``first``."""
-
-    def run_kv(self, run: Any, skip: int) -> Any:
-        """A finished read's KV past its first ``skip`` pages (``run.first``, ``run.n_pages``
-        say which it holds)."""
 
 
 class Scheduler:
@@ -251,11 +235,11 @@ class Scheduler:
             if held[head.group] >= share and under - {head.group}:
                 i += 1  # at its share while another group waits under its own
                 continue
-            hits = self._hits(head)
-            if self._shares_a_prefill(head, len(hits)):
+            hits = lookup.hits(self.cache, head)
+            if lookup.shares_a_prefill(self.cache, head, len(hits), self.running):
                 i += 1  # its next pages are being prefilled by another: it will hit them
                 continue
-            if not self._disk_ready(head, hits):
+            if not lookup.disk_ready(self.disk, self.cache, head, hits):
                 i += 1  # its next pages are being read from disk: the others go on
                 continue
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
@@ -295,24 +279,6 @@ class Scheduler:
             self.preempt(victim)
             plan.preempted.append(victim)
 
-    def _shares_a_prefill(self, seq: Seq, n_hits: int) -> bool:
-        """Whether a running request still prefilling has ``seq``'s next full page (after its
-        ``n_hits`` cached ones) in its own prompt, not yet cached: admitted now, ``seq`` would
-        prefill the same tokens beside it; admitted once that prompt is in (its pages
-        registered), it hits them. Sessions of an agent that start together with one long
-        system prompt then prefill it once, not once each. (A request of another KV format
-        would not hit them: it does not wait.)"""
-        if self.cache is None:
-            return False
-        b = (n_hits + 1) * self.blocks.block_size
-        if len(seq.tokens) <= b:  # no full page left to share (the last token is prefilled)
-            return False
-        prefix = seq.tokens[:b]
-        return any(
-            not other.decoding and other.kv_format == seq.kv_format and other.tokens[:b] == prefix
-            for other in self.running
-        )
-
     def _take_window(self, seq: Seq) -> bool:
         """The blocks ``seq``'s residual window takes (in the model's type, while it runs);
         False if the pool cannot give them (the caller frees what ``seq`` holds)."""
@@ -335,17 +301,9 @@ class Scheduler:
         """Blocks the running rows' windows hold (both streams)."""
         return 2 * self.window_blocks * len(self.running)
 
-    def _hits(self, seq: Seq) -> list[Any]:
-        """The cached pages ``seq``'s tokens start with, leaving at least its last token to
-        prefill (its logits sample the next one)."""
-        if self.cache is None:
-            return []
-        return self.cache.match(seq.tokens, len(seq.tokens) - 1, seq.kv_format)
-
     def _take(self, seq: Seq, hits: list[Any], n_tokens: int) -> bool:
         """Give ``seq`` its cached pages, blocks for the rest of ``n_tokens`` and what the
-        disk tier holds past its pages (``load_disk``); False (and nothing held) if the pool
-        cannot."""
+        disk tier read past its pages; False (and nothing held) if the pool cannot."""
         cache = self.cache
         if hits:
             assert cache is not None
@@ -369,46 +327,12 @@ class Scheduler:
                 tail_digest=hits[-1].digest,
                 n_cached=seq.pages.n_cached,
             )
-        n_hit = (len(hits) + self._take_disk(seq, len(hits))) * bs
+        n_hit = (len(hits) + lookup.take_disk(self.disk, seq, len(hits))) * bs
         if seq.preemptions == 0:  # what the client's prompt found: usage.cached_tokens
             seq.pages.n_cached = n_hit
             cache.count_lookup(len(seq.tokens), n_hit)
         seq.n_kv = n_hit  # the runner's prefill starts here, from the pages' KV
         return True
-
-    def _disk_ready(self, seq: Seq, hits: list[Any]) -> bool:
-        """Whether ``seq`` may be admitted as far as the disk tier goes: the tier has no page
-        past its ``hits``, or the reader has read them. The first time, starts that read (the
-        server's own KV format only: the tier's files hold that one)."""
-        disk, cache = self.disk, self.cache
-        if disk is None or cache is None or seq.kv_format:
-            return True
-        if seq.disk_read is None:
-            bs = self.blocks.block_size
-            parent = hits[-1].digest if hits else cache.root
-            limit = (len(seq.tokens) - 1) // bs  # its last token is prefilled
-            seq.disk_read = disk.start_read(seq.tokens, len(hits), parent, limit, bs)
-            if seq.disk_read is None:
-                return True
-        return bool(seq.disk_read.done())
-
-    def _take_disk(self, seq: Seq, n_hits: int) -> int:
-        """The pages the disk tier read for ``seq`` past its ``n_hits`` cached ones (their KV
-        in ``seq.preloaded``): what the read found from where the memory hits end now (pages
-        cached meanwhile are skipped; if memory lost pages before the read's first, none)."""
-        future, seq.disk_read = seq.disk_read, None
-        if future is None or self.disk is None:
-            return 0
-        try:
-            run = future.result(0)
-        except Exception:  # the reader's own bug: the pages are prefilled instead
-            log.exception("prefix cache on disk: a read failed")
-            return 0
-        skip = n_hits - run.first
-        if skip < 0 or run.n_pages <= skip:
-            return 0
-        seq.preloaded = self.disk.run_kv(run, skip)
-        return int(run.n_pages - skip)
 
     def ready(self) -> bool:
         """Whether a step has work: a request runs, or one waits that is not waiting for the
