@@ -42,6 +42,10 @@ def main() -> None:
     p.add_argument("--peers", default="mlx_lm", choices=("mlx_lm", "none"))
     p.add_argument("--rounds", type=int, default=1, help="repeats, alternating who goes first")
     p.add_argument("--out", default="agent-bench.md")
+    p.add_argument(
+        "--logs", help="keep the servers' logs here (with --ours-args '--log-level debug', "
+        "python -m benchmarks.slow_steps reads where the slow steps' time went)"
+    )  # fmt: skip
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-agent-"))
     try:
@@ -82,7 +86,9 @@ def run(args: argparse.Namespace, work: Path) -> list[str]:
             # One server at a time: two MLX servers on one GPU compete for its memory (MLX keeps
             # freed buffers cached), which once made both fail.
             for name, (cmd, server_env) in order:
-                with server(cmd, port, server_env, work / f"{name}.log"):
+                logs = Path(args.logs) if args.logs else work
+                logs.mkdir(parents=True, exist_ok=True)
+                with server(cmd, port, server_env, logs / f"{name}-{r + 1}.log"):
                     model = [] if name == "ours" else ["--model", str(path)]
                     lt = agent.parse([
                         "--url", f"http://127.0.0.1:{port}", *model,

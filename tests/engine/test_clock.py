@@ -40,3 +40,15 @@ def test_a_quick_turn_or_debug_off_logs_nothing(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
         run_turn(TurnClock(), slow_phase=2, monkeypatch=monkeypatch)
     assert not [r for r in caplog.records if "slow step" in r.getMessage()]
+
+
+def test_the_slow_steps_report_reads_the_lines_the_clock_writes(caplog, monkeypatch):
+    from benchmarks import slow_steps
+
+    with caplog.at_level(logging.DEBUG, logger="veloxquant.engine"):
+        run_turn(TurnClock(), slow_phase=3, monkeypatch=monkeypatch)
+    (step,) = slow_steps.parse([r.getMessage() for r in caplog.records])
+    assert (step.total, step.rows, step.tokens) == (204, 3, 512)
+    assert step.phases == {"schedule": 1, "prefill": 1, "build": 1, "launch": 200, "read back": 1}
+    rows = slow_steps.table([step])
+    assert rows[2].startswith("| with prefill, rows decoding | 1 | 204 / 204 / 204 / 204 |")
