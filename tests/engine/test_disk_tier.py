@@ -7,6 +7,7 @@ under its cap."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -57,6 +58,23 @@ def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp
     assert turn(restarted, third)[1] == (len(turn_two) + len(got)) // BS * BS
     assert restarted.stats().prefix_disk_hits_total == (70 + 30) // BS
     wait_idle(restarted)
+
+
+def test_files_a_crash_left_mid_write_are_not_pages_and_old_ones_are_removed(make_engine, tmp_path):
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turn(first, words(random.Random(9), 40), 4)
+    first.shutdown(5)
+    pages = files(tmp_path)
+    page = pages[0]
+    fresh = page.with_name("f" * 64 + ".tmp.safetensors")
+    stale = page.with_name("e" * 64 + ".tmp.safetensors")
+    for f in (fresh, stale):
+        f.write_bytes(page.read_bytes()[:50])
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    assert restarted.stats().prefix_disk_pages == len(pages)
+    assert fresh.exists() and not stale.exists()  # another server's write may be in progress
 
 
 def test_pages_evicted_under_pressure_are_written_and_found(make_engine, tmp_path):

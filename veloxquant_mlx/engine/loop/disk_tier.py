@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ from veloxquant_mlx.kv.codec import copy_span, join_spans
 log = logging.getLogger("veloxquant.engine")
 
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
+TMP = ".tmp"  # a file being written is "<digest>.tmp.safetensors" until it is complete
+STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,10 @@ class DiskTier:
             try:
                 st = f.stat()
             except OSError:
+                continue
+            if f.stem.endswith(TMP):  # a write in progress, or one a crash cut short
+                if time.time() - st.st_mtime > STALE_TMP_S:
+                    f.unlink(missing_ok=True)
                 continue
             files.append((st.st_mtime, f.stem, st.st_size))
         for _, stem, size in sorted(files):
@@ -274,7 +281,7 @@ class DiskTier:
 
     def _write_file(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
         path = self.dir / (name + SUFFIX)
-        tmp = path.with_suffix(".tmp" + SUFFIX)
+        tmp = path.with_suffix(TMP + SUFFIX)
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
         meta["crc"] = crcs([arrays])[0]  # waits for the arrays' evaluation
         try:
