@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 
@@ -75,6 +76,17 @@ def test_files_a_crash_left_mid_write_are_not_pages_and_old_ones_are_removed(mak
     restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
     assert restarted.stats().prefix_disk_pages == len(pages)
     assert fresh.exists() and not stale.exists()  # another server's write may be in progress
+
+
+def test_writes_that_fail_are_dropped_with_one_log_line(make_engine, tmp_path, caplog):
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turn(engine, words(random.Random(10), 100), 4)  # 6 full pages
+    shutil.rmtree(tmp_path)  # the directory goes away under the server: every write fails
+    with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
+        engine.shutdown(5)  # a clean stop writes every cached page
+    lines = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(lines) == 1 and "could not write 1 page(s)" in lines[0]
+    assert engine.stats().prefix_disk_dropped_total == 100 // BS
 
 
 def test_pages_evicted_under_pressure_are_written_and_found(make_engine, tmp_path):

@@ -54,6 +54,7 @@ log = logging.getLogger("veloxquant.engine")
 
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
 TMP = ".tmp"  # a file being written is "<digest>.tmp.safetensors" until it is complete
+WARN_EVERY_S = 60.0  # failed writes are logged at most this often
 STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
 
 
@@ -113,6 +114,8 @@ class DiskTier:
         self.writes = 0  # pages written
         self.dropped = 0  # pages not written (the queue was full, or the write failed)
         self.skipped = 0  # files refused at load (corrupt, foreign, wrong shape)
+        self._warned = -WARN_EVERY_S  # when a failed write was last logged (writer thread)
+        self._failed = 0  # writes failed since
         self._queue: queue.Queue[tuple[str, list[int], dict[str, mx.array]] | None] = queue.Queue(
             QUEUE_PAGES
         )
@@ -290,7 +293,15 @@ class DiskTier:
             size = path.stat().st_size
         except Exception as exc:  # a full disk, a removed directory: the page is not kept
             self.dropped += 1
-            log.warning("prefix cache on disk: could not write a page (%s)", reason(exc))
+            self._failed += 1
+            now = time.monotonic()
+            if now - self._warned >= WARN_EVERY_S:  # a full disk fails every page: one line
+                log.warning(
+                    "prefix cache on disk: could not write %d page(s) (%s); the pages stay "
+                    "in memory only (metric veloxquant_prefix_cache_disk_dropped_total)",
+                    self._failed, reason(exc),
+                )  # fmt: skip
+                self._warned, self._failed = now, 0
             tmp.unlink(missing_ok=True)
             return
         with self._lock:
