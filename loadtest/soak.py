@@ -2,7 +2,9 @@
 
 Starts its own server process (so it can read its memory), then for N minutes runs mixed
 traffic from ``--clients`` threads: full streams, chat, seeded sampling, structured outputs
-(streamed or not; the JSON must parse), several choices over a list of prompts, streams and
+(streamed or not; the JSON must parse), returning agent conversations (greedy: the answer must
+not change, whether their KV is prefilled, cached or read from ``--prefix-cache-dir``), several
+choices over a list of prompts, streams and
 non-streamed requests abandoned midway (cancels), bad inputs of every kind, while an operator
 thread shrinks the pool (which grows back on demand) and a scraper reads /metrics every second.
 
@@ -108,8 +110,8 @@ def client_loop(base: str, rep: Report, deadline: float, seed: int, lock: thread
         while time.monotonic() < deadline:
             kind = rng.choices(
                 ["stream", "chat", "seeded", "structured", "choices", "cancel_stream",
-                 "cancel_plain", "bad"],
-                weights=[30, 12, 8, 8, 4, 9, 9, 20],
+                 "cancel_plain", "bad", "agent"],
+                weights=[30, 12, 8, 8, 4, 9, 9, 20, 8],
             )[0]  # fmt: skip
             try:
                 status, ok, tokens, note = _one(http, kind, rng)
@@ -129,6 +131,8 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     """(status, whether the answer was truthful for this kind, tokens received, a note)."""
     max_tokens = rng.randint(1, 120)
     kv = rng.choice(KV_FORMATS) if KV_FORMATS else None  # --kv-formats: a format per request
+    if kind == "agent":
+        return _agent(http, rng)
     if kind == "bad":
         path, raw, expected = rng.choice(BAD_INPUTS)
         r = http.post(
@@ -219,6 +223,34 @@ def _one(http: httpx.Client, kind: str, rng: random.Random) -> tuple[int, bool, 
     if r.status_code == 200:
         return 200, True, r.json()["usage"]["completion_tokens"], ""
     return r.status_code, _honest(r), 0, ""
+
+
+# A returning agent conversation: one of a few long system prompts, one of a few questions,
+# greedy. Its pages are cached, evicted by resets and shrinks, read back from the disk tier
+# (--prefix-cache-dir): whichever way its KV comes, the answer must not change.
+AGENT_SYSTEMS = [
+    " ".join(random.Random(i).choice(["tool", "file", "read", "write", "grep", "edit", "line"])
+             for _ in range(300))
+    for i in range(3)
+]  # fmt: skip
+AGENT_ASKS = ["What next?", "Read the file.", "Run the tests."]
+_agent_answers: dict[tuple[int, int], str] = {}
+_agent_lock = threading.Lock()
+
+
+def _agent(http: httpx.Client, rng: random.Random) -> tuple[int, bool, int, str]:
+    key = (rng.randrange(len(AGENT_SYSTEMS)), rng.randrange(len(AGENT_ASKS)))
+    messages = [{"role": "system", "content": AGENT_SYSTEMS[key[0]]},
+                {"role": "user", "content": AGENT_ASKS[key[1]]}]  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    r = http.post("/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        return r.status_code, _honest(r), 0, ""
+    answer = r.json()["choices"][0]["message"]["content"]
+    with _agent_lock:
+        first = _agent_answers.setdefault(key, answer)
+    note = "" if answer == first else f"conversation {key}: {answer[:30]!r} != {first[:30]!r}"
+    return 200, answer == first, r.json()["usage"]["completion_tokens"], note
 
 
 def _fmt(body: dict, kv: str | None) -> dict:
@@ -382,6 +414,7 @@ def soak(args: argparse.Namespace) -> Report:
         "--max-blocks", str(args.n_blocks), "--max-queue", "64", "--max-running", "8",
         *(["--model", args.model] if args.model else []),
         *(["--kv-formats", args.kv_formats] if args.kv_formats else []),
+        *(["--prefix-cache-dir", args.prefix_cache_dir] if args.prefix_cache_dir else []),
     ]  # fmt: skip
     global KV_FORMATS
     KV_FORMATS = ("auto", *filter(None, args.kv_formats.split(","))) if args.kv_formats else ()
@@ -499,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="serve these KV formats beside the default (--kv-formats), each request asking "
         "for one of them or the default at random",
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        help="give the server a disk tier here: the soak's prefix-cache resets send pages to "
+        "disk and the conversations that come back read them",
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--log", default="soak-server.log", help="the server's log")

@@ -5,6 +5,7 @@ naming the field before the engine sees it, and the same schema compiles once.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -45,9 +46,19 @@ def structured(schema: dict, **extra) -> dict:
     return {**PLAIN, "max_tokens": 1, "response_format": fmt, **extra}
 
 
-async def test_a_slow_compile_is_its_own_wait(client_for):
-    """While a schema compiles for seconds, a plain request sent after it is answered first
-    (before, the compile ran on the engine thread and every request waited behind it)."""
+async def test_a_slow_compile_is_its_own_wait(client_for, monkeypatch):
+    """While a schema compiles (held back here until the plain request is answered, so the
+    order does not depend on the machine's speed), a plain request sent after it is answered
+    first (before, the compile ran on the engine thread and every request waited behind it)."""
+    started, release = threading.Event(), threading.Event()
+    compile_ = GrammarCompiler._compile
+
+    def held(self, *args):
+        started.set()
+        assert release.wait(60)
+        return compile_(self, *args)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", held)
     client: httpx.AsyncClient = await client_for(grammar_timeout=120.0)
     order: list[str] = []
 
@@ -57,10 +68,13 @@ async def test_a_slow_compile_is_its_own_wait(client_for):
         return r
 
     slow = asyncio.create_task(send("structured", structured(SLOW)))
-    await asyncio.sleep(0.1)  # the compile has started on a grammar worker
-    plain = await send("plain", PLAIN)
-    assert plain.status_code == 200, plain.text
-    assert order == ["plain"], "the plain request waited behind the grammar compile"
+    try:
+        assert await asyncio.to_thread(started.wait, 30)  # compiling on a grammar worker
+        plain = await asyncio.wait_for(send("plain", PLAIN), 60)
+        assert plain.status_code == 200, plain.text
+        assert order == ["plain"], "the plain request waited behind the grammar compile"
+    finally:
+        release.set()
     r = await slow
     assert r.status_code == 200, r.text
 
