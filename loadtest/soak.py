@@ -83,6 +83,7 @@ class Report:
     rss_max_mb: float = 0.0
     leak_free: bool = False
     plain_latency_s: list[float] = field(default_factory=list)  # the probe's, in order
+    disk: dict[str, float] = field(default_factory=dict)  # the disk tier's counters, last scrape
 
     def fail(self, what: str) -> None:
         if len(self.failures) < 50:
@@ -395,8 +396,13 @@ def scrape_loop(base: str, pid: int, rep: Report, deadline: float, lock: threadi
             text = http.get("/metrics").text
             alive = "veloxquant_engine_alive 1.0" in text
             now = time.monotonic()
+            disk = {
+                name.removeprefix("veloxquant_prefix_cache_disk_").removesuffix("_total"): value
+                for name, value in _samples(text, "veloxquant_prefix_cache_disk_")
+            }
             with lock:
                 rep.scrapes += 1
+                rep.disk = disk or rep.disk
                 if not alive:
                     rep.fail("engine reported dead")
                 if now - last_rss >= 5:
@@ -493,6 +499,16 @@ def _wait_idle(base: str, key: str, timeout: float = 60.0) -> bool:
     return asyncio.run(check())
 
 
+def _samples(text: str, prefix: str) -> list[tuple[str, float]]:
+    """The unlabelled samples of /metrics whose names start with ``prefix``."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(prefix) and "{" not in line:
+            name, _, value = line.partition(" ")
+            out.append((name, float(value)))
+    return out
+
+
 def render(rep: Report) -> str:
     total = sum(rep.requests.values())
     lines = [
@@ -502,6 +518,11 @@ def render(rep: Report) -> str:
         f"{rep.rss_max_mb:.1f} max; pool all free at the end: {rep.leak_free}",
         f"plain requests: {len(rep.plain_latency_s)}, slowest "
         f"{max(rep.plain_latency_s, default=0.0):.2f} s",
+        *(
+            ["disk tier: " + ", ".join(f"{k} {v:g}" for k, v in sorted(rep.disk.items()))]
+            if rep.disk
+            else []
+        ),
         "| kind:status | requests |",
         "|---|---:|",
         *(f"| {k} | {v} |" for k, v in sorted(rep.requests.items())),
