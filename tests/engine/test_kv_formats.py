@@ -74,6 +74,43 @@ def test_rows_of_three_formats_in_one_batch_each_decode_as_their_format(
     wait_idle(engine)
 
 
+def test_a_residual_window_keeps_each_quantized_format_as_its_own_server_would(make_engine):
+    """--kv-recent-tokens with --kv-formats: the rows of each quantized format keep their
+    newest 12 tokens in full precision (blocks of the model's type held while they run), the
+    float rows none; every row's greedy tokens are what a server of its format alone, with
+    the same window, gives."""
+    mixed = make_engine(
+        kv_cache_mb=8, kv_format="auto", kv_formats=("int8", "int4"), kv_recent_tokens=12,
+        max_running=4, prefill_step=16, prefix_caching=False,
+    )  # fmt: skip
+    rng = random.Random(21)
+    lengths = (5, 23, 9, 41, 17, 30)
+    prompts = [tuple(rng.randrange(3, 2000) for _ in range(n)) for n in lengths]
+    asks = ["int8", "", "int4", "int8", "int4", ""]
+    handles = [
+        mixed.submit(GenerationRequest(p, 20, GREEDY, kv_format=f))
+        for p, f in zip(prompts, asks, strict=True)
+    ]
+    windows: set[int] = set()
+    while not all(h.done for h in handles):
+        stats = mixed.stats()
+        if stats.running:
+            windows.add(stats.kv_window_blocks)
+    got = [[t.token_id for t in h.collect(120)[0]] for h in handles]
+    assert max(windows) > 0  # held while a quantized row ran
+    wait_idle(mixed)
+    assert mixed.stats().kv_window_blocks == 0
+    for fmt in ("int8", "int4", ""):
+        alone = make_engine(
+            kv_cache_mb=8, kv_format=fmt or "auto", kv_recent_tokens=12 if fmt else 0,
+            prefix_caching=False,
+        )  # fmt: skip
+        for p, f, tokens in zip(prompts, asks, got, strict=True):
+            if f == fmt:
+                want, _ = alone.submit(GenerationRequest(p, 20, GREEDY)).collect(120)
+                assert tokens == [t.token_id for t in want], (fmt, len(p))
+
+
 def test_a_wider_format_takes_its_bytes_of_the_pool(make_engine):
     """Blocks are sized for the smallest format (int4: 24 bytes a head and token for the
     embedded model's 32-wide float32 heads); a float32 page takes ceil(128 / 24) = 6 of them
@@ -137,7 +174,6 @@ def test_a_format_the_server_does_not_allow_is_refused(make_engine):
     ("overrides", "words"),
     [
         ({"kv_layout": "paged"}, "--kv-formats with several formats needs --kv-layout dense"),
-        ({"kv_recent_tokens": 16}, "does not take --kv-recent-tokens"),
         ({"kv_formats": ("fp16",)}, "a float format other than the model's"),
     ],
 )

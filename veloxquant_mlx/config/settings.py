@@ -121,9 +121,10 @@ class Settings(BaseSettings):
         0,
         ge=0,
         le=4096,
-        description="With --kv-format int8/int4: each running request's newest N tokens are also "
-        "kept in the model's float type and attended from there (a residual window, as KIVI "
-        "does); the windows of --max-running requests are set aside from --kv-cache-mb.",
+        description="With int8/int4 (--kv-format, or a request's --kv-formats choice): each "
+        "running request's newest N tokens are also kept in the model's float type and "
+        "attended from there (a residual window, as KIVI does), held as pool blocks while it "
+        "runs.",
     )
     ragged_attention: Literal["auto", "sdpa", "matmul"] = Field(
         "auto",

@@ -141,7 +141,7 @@ class MixedKV:
         outs = []
         for part in self._parts:
             q = queries if part.gather is None else queries[part.gather]
-            o = _attend(part, q, scale).astype(queries.dtype)
+            o = _attend(part, layer, q, scale).astype(queries.dtype)
             if part.gather is None:
                 return o
             outs.append(o if part.live is None else o[part.live])
@@ -176,11 +176,14 @@ class MixedKV:
         return sum(store.nbytes() for store in self.stores.values())
 
 
-def _attend(part: _Part, q: mx.array, scale: float) -> mx.array:
+def _attend(part: _Part, layer: int, q: mx.array, scale: float) -> mx.array:
     """``q`` over one store's K and V as that format's own steps attend: a quantized store
-    through mlx_lm's quantized attention, a float one by the batch's route (matmul, grouped
-    with the softmax as powers of two, or MLX's)."""
+    through mlx_lm's quantized attention (with a residual window, its own: codes and ring in
+    one softmax), a float one by the batch's route (matmul, grouped with the softmax as
+    powers of two, or MLX's)."""
     k, v = part.fetched
+    if isinstance(part.store, QuantizedDenseKV) and part.store.recent:
+        return part.store.attend(layer, q, k, v, scale)
     batch = part.batch
     mask = batch.mask(None)
     codec = getattr(part.store, "codec", None)
@@ -213,11 +216,16 @@ def mixed_unreached(
 
 
 def make_mixed(
-    codecs: dict[str, KVCodec], n_layers: int, block_size: int, ragged: RaggedAttention
+    codecs: dict[str, KVCodec],
+    n_layers: int,
+    block_size: int,
+    ragged: RaggedAttention,
+    recent: int = 0,
 ) -> MixedKV:
-    """A ``MixedKV`` with a dense store per codec (the server's own first)."""
+    """A ``MixedKV`` with a dense store per codec (the server's own first); a quantized one
+    keeps each row's newest ``recent`` tokens in full precision (``--kv-recent-tokens``)."""
     stores: dict[str, DenseKV] = {
-        name: QuantizedDenseKV(n_layers, c, block_size, ragged)
+        name: QuantizedDenseKV(n_layers, c, block_size, ragged, recent)
         if c.quantized
         else DenseKV(n_layers, block_size, ragged)
         for name, c in codecs.items()

@@ -17,13 +17,19 @@ class BlockMath:
 
     With several KV formats (``--kv-formats``) the blocks are sized for the smallest, and a
     page of ``block_size`` tokens in format ``f`` takes ``spans[f]`` blocks per layer and
-    stream (its bytes over a block's, rounded up); ``""`` is the server's own format.
+    stream (its bytes over a block's, rounded up); ``""`` is the server's own format. A row
+    of a quantized format with a residual window (``--kv-recent-tokens``) also holds
+    ``windows[f]`` blocks of each stream while it runs.
     """
 
     pool: BlockPoolAllocator
     n_layers: int
-    window: int = 0  # blocks of each stream a row's residual window takes (--kv-recent-tokens)
+    windows: Mapping[str, int] = field(default_factory=dict)  # a row's window, by format
     spans: Mapping[str, int] = field(default_factory=dict)  # blocks a page takes, by format
+
+    def window(self, fmt: str = "") -> int:
+        """Blocks of each stream a row of format ``fmt`` holds for its residual window."""
+        return self.windows.get(fmt, 0)
 
     def span(self, fmt: str = "") -> int:
         """Blocks per layer and stream one page of format ``fmt`` takes (1 unless mixed)."""
@@ -81,5 +87,5 @@ class BlockMath:
         return total
 
     def _fits(self, n_tokens: int, totals: dict[str, int], fmt: str) -> bool:
-        need = self.per_stream(self.n_layers * self.blocks_for(n_tokens, fmt) + self.window)
+        need = self.per_stream(self.n_layers * self.blocks_for(n_tokens, fmt) + self.window(fmt))
         return all(need <= t for t in totals.values())

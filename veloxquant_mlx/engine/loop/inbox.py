@@ -109,7 +109,7 @@ class Inbox:
 
 def _window(sched: Scheduler) -> dict[str, Any]:
     """The residual windows' format and the blocks they hold (--kv-recent-tokens)."""
-    if not sched.window_blocks:
+    if not sched.blocks.windows:
         return {}
     return {"kv_window_format": sched.window_format,
             "kv_window_blocks": sched.window_blocks_in_use()}  # fmt: skip

@@ -50,7 +50,7 @@ class Scheduler:
         idle_prefill_budget: int = 2048,
         answers_up_to: int | None = None,
         kv_format: str = "fp16",
-        window_blocks: int = 0,
+        windows: dict[str, int] | None = None,
         window_format: str = "",
         spans: dict[str, int] | None = None,
     ) -> None:
@@ -59,7 +59,7 @@ class Scheduler:
         self.n_layers = n_layers
         # ``spans``: blocks per layer and stream a page of each format takes (--kv-formats;
         # "" for the server's own), None: one format.
-        self.blocks = BlockMath(pool, n_layers, window_blocks, spans or {})
+        self.blocks = BlockMath(pool, n_layers, windows or {}, spans or {})
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
@@ -71,8 +71,8 @@ class Scheduler:
         self.answers_up_to = answers_up_to
         self.kv_format = kv_format  # the format tag the pool records on blocks (kv.codec)
         # A row's residual window (--kv-recent-tokens), kept by the layout in the model's
-        # type: this many blocks of each stream, tagged ``window_format``, held while it runs.
-        self.window_blocks = window_blocks
+        # type: ``blocks.window(format)`` blocks of each stream, tagged ``window_format``,
+        # held while it runs.
         self.window_format = window_format
         self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
         # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set)
@@ -248,7 +248,7 @@ class Scheduler:
             )
             need = self.blocks.per_stream(
                 self.n_layers * (self.blocks.blocks_for(n, fmt) - len(hits) * span)
-                + self.window_blocks
+                + self.blocks.window(fmt)
             )
             if self.running and free - need < reserve:
                 break  # FIFO for memory: nobody overtakes the head
@@ -282,14 +282,15 @@ class Scheduler:
     def _take_window(self, seq: Seq) -> bool:
         """The blocks ``seq``'s residual window takes (in the model's type, while it runs);
         False if the pool cannot give them (the caller frees what ``seq`` holds)."""
-        if not self.window_blocks:
+        window = self.blocks.window(seq.kv_format)
+        if not window:
             return True
-        self._evict_for(self.window_blocks)
+        self._evict_for(window)
         try:
             for stream in STREAMS:
                 self.pool.allocate(
                     stream,
-                    self.window_blocks * self.blocks.block_size,
+                    window * self.blocks.block_size,
                     seq.request_id,
                     self.window_format,
                 )
@@ -299,7 +300,7 @@ class Scheduler:
 
     def window_blocks_in_use(self) -> int:
         """Blocks the running rows' windows hold (both streams)."""
-        return 2 * self.window_blocks * len(self.running)
+        return sum(2 * self.blocks.window(s.kv_format) for s in self.running)
 
     def _take(self, seq: Seq, hits: list[Any], n_tokens: int) -> bool:
         """Give ``seq`` its cached pages, blocks for the rest of ``n_tokens`` and what the

@@ -57,7 +57,7 @@ def kv_formats(cfg: EngineConfig, geometry: KVGeometry) -> Formats:
 
     Raises:
         ValueError: One line: a format the model cannot use, or several formats with a
-            setting that holds one (the paged layout, a residual window).
+            setting that holds one (the paged layout).
     """
 
     def parse(name: str) -> KVCodec:
@@ -69,9 +69,6 @@ def kv_formats(cfg: EngineConfig, geometry: KVGeometry) -> Formats:
         other = parse(name)
         codecs.setdefault(other.name, other)
     formats = Formats(codecs, min(codecs.values(), key=lambda c: geometry.bytes_per_block(1, c)))
-    if formats.mixed:
-        if cfg.kv_layout == "paged":
-            raise ValueError("--kv-formats with several formats needs --kv-layout dense (or auto)")
-        if cfg.kv_recent_tokens:
-            raise ValueError("--kv-formats with several formats does not take --kv-recent-tokens")
+    if formats.mixed and cfg.kv_layout == "paged":
+        raise ValueError("--kv-formats with several formats needs --kv-layout dense (or auto)")
     return formats

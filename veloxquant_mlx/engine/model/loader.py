@@ -19,7 +19,7 @@ from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
-from veloxquant_mlx.engine.model.formats import kv_formats
+from veloxquant_mlx.engine.model.formats import Formats, kv_formats
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
 from veloxquant_mlx.kv import attention
@@ -250,23 +250,31 @@ def disk_tier(
     return tier
 
 
-def window_blocks(cfg: EngineConfig, geometry: KVGeometry, codec: KVCodec) -> int:
-    """Pool blocks of each stream one row's residual window takes: its ``--kv-recent-tokens``
-    tokens of every layer in the model's type (``kv.quantized``), in blocks of the quantized
-    format's bytes, rounded up. A row holds them while it runs (mixed formats in one pool).
+def window_blocks(cfg: EngineConfig, geometry: KVGeometry, formats: Formats) -> dict[str, int]:
+    """Pool blocks of each stream one row's residual window takes, by format (a request's
+    ``kv_format``; "" the server's own): its ``--kv-recent-tokens`` tokens of every layer in
+    the model's type (``kv.quantized``), in blocks of the pool's bytes, rounded up, for each
+    quantized format (a float row needs none). A row holds them while it runs (mixed formats
+    in one pool).
 
     Raises:
         ValueError: A window without a quantized format.
     """
     recent = cfg.kv_recent_tokens
     if not recent:
-        return 0
-    if not codec.quantized:
-        raise ValueError("--kv-recent-tokens needs --kv-format int8 or int4")
-    per_stream = window_bytes(
-        geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec, recent
-    )
-    return -(-per_stream // geometry.bytes_per_block(cfg.block_size, codec))
+        return {}
+    if not any(c.quantized for c in formats.codecs.values()):
+        raise ValueError("--kv-recent-tokens needs --kv-format int8 or int4 (or --kv-formats)")
+    block = geometry.bytes_per_block(cfg.block_size, formats.block)
+    out = {
+        name: -(-window_bytes(geometry.n_layers_total, geometry.n_kv_heads,
+                              geometry.head_dim, c, recent) // block)
+        for name, c in formats.codecs.items()
+        if c.quantized
+    }  # fmt: skip
+    if formats.own.name in out:
+        out[""] = out[formats.own.name]
+    return out
 
 
 def build_runtime(cfg: EngineConfig) -> Runtime:
@@ -290,7 +298,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         check_kernels(
             each, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens
         )
-    window = window_blocks(cfg, geometry, codec)
+    windows = window_blocks(cfg, geometry, formats)
     sizing = pool_config(
         geometry,
         block_size=cfg.block_size,
@@ -309,9 +317,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     per_block = geometry.bytes_per_block(cfg.block_size, formats.block)
     n_blocks = pool.stats.n_blocks
     spans = formats.spans(geometry, cfg.block_size)
-    blocks = BlockMath(pool, geometry.n_layers_total, window, spans)
+    blocks = BlockMath(pool, geometry.n_layers_total, windows, spans)
     if not blocks.could_ever_fit(cfg.min_request_tokens):
-        per_request = 2 * (blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens) + window)
+        per_request = 2 * (
+            blocks.n_layers * blocks.blocks_for(cfg.min_request_tokens) + blocks.window()
+        )
         raise ValueError(
             f"the KV pool ({n_blocks} blocks, {n_blocks * per_block / 2**20:.1f} MiB) cannot "
             f"hold even one request of {cfg.min_request_tokens} tokens (a one-token prompt "
@@ -340,13 +350,15 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         cfg.kv_recent_tokens,
     )
     if formats.mixed:  # each format's rows in a store of its own (kv.mixed)
-        kv = make_mixed(formats.codecs, geometry.n_layers_total, cfg.block_size, ragged)
+        kv = make_mixed(
+            formats.codecs, geometry.n_layers_total, cfg.block_size, ragged, cfg.kv_recent_tokens
+        )
         attention.install(model)
         missing = mixed_unreached(
             model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv, codec.dtype
         )
         require_routed(missing, "--kv-formats", "one KV format (drop --kv-formats)")
-    if cfg.kv_recent_tokens:  # the window's attention is routed (kv.quantized.attend)
+    if cfg.kv_recent_tokens and not formats.mixed:  # routed (kv.quantized.attend)
         attention.install(model)
         missing = window_unreached(
             model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv
@@ -365,7 +377,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         idle_prefill_budget=cfg.idle_prefill_budget,
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
         kv_format=codec.name,
-        window_blocks=window,
+        windows=windows,
         window_format=geometry.dtype,
         spans=spans,
     )
