@@ -421,6 +421,7 @@ def soak(args: argparse.Namespace) -> Report:
         *(["--model", args.model] if args.model else []),
         *(["--kv-formats", args.kv_formats] if args.kv_formats else []),
         *(["--prefix-cache-dir", args.prefix_cache_dir] if args.prefix_cache_dir else []),
+        *(["--kv-recent-tokens", str(args.kv_recent_tokens)] if args.kv_recent_tokens else []),
     ]  # fmt: skip
     global KV_FORMATS
     KV_FORMATS = ("auto", *filter(None, args.kv_formats.split(","))) if args.kv_formats else ()
@@ -553,6 +554,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="serve these KV formats beside the default (--kv-formats), each request asking "
         "for one of them or the default at random",
+    )
+    p.add_argument(
+        "--kv-recent-tokens",
+        type=int,
+        default=0,
+        help="the server keeps each quantized row's newest N tokens in full precision "
+        "(with --kv-formats int8,int4: the windows of rows of several formats)",
     )
     p.add_argument(
         "--prefix-cache-dir",
