@@ -143,6 +143,22 @@ def test_errors_have_anthropics_shape(claude, tool_server):
         assert set(r.json()["error"]) == {"type", "message"}
 
 
+def test_over_the_context_window_is_worded_as_anthropic_words_it(claude):
+    """Claude Code compacts a conversation on "prompt is too long" and lowers max_tokens from
+    the numbers of "input length and `max_tokens` exceed context limit": the same wording,
+    streamed or not."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        ask(claude, messages=[{"role": "user", "content": "hello " * 9000}], max_tokens=10)
+    message = info.value.body["error"]["message"]
+    assert message.startswith("prompt is too long: ") and message.endswith(" > 8192 maximum")
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            ask(claude, max_tokens=9000, stream=stream)
+        message = info.value.body["error"]["message"]
+        assert message.startswith("input length and `max_tokens` exceed context limit: ")
+        assert " + 9000 > 8192, decrease input length or `max_tokens`" in message
+
+
 def test_a_request_shaped_like_claude_codes_streams(tool_server):
     body = json.loads(FIXTURE.read_text())
     headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking",

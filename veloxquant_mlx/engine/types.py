@@ -25,9 +25,15 @@ class QueueFullError(EngineError):
 
 
 class RequestTooLargeError(EngineError, ValueError):
-    """The request can never be served: over the context window or the whole pool (HTTP 400)."""
+    """The request can never be served: over the context window or the whole pool (HTTP 400).
+    Over the window, ``context`` is (prompt tokens, max_tokens, the window): the Messages API
+    words it as Anthropic does, which clients parse."""
 
     reason = "too_large"
+
+    def __init__(self, message: str, context: tuple[int, int, int] | None = None) -> None:
+        super().__init__(message)
+        self.context = context
 
 
 class CapacityReducedError(EngineError):

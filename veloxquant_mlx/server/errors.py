@@ -79,10 +79,12 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        context: tuple[int, int, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.headers = headers or {}
+        self.context = context  # over the context window: (prompt, max_tokens, window)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None):
@@ -108,9 +110,10 @@ def error_response(err: APIError, path: str = "") -> JSONResponse:
     """``err`` in OpenAI's shape, or Anthropic's on the Messages API's paths."""
     body = error_body(err.status, err.message, err.code, err.param)
     if speaks_anthropic(path):
-        from veloxquant_mlx.server.messages_api import anthropic_error
+        from veloxquant_mlx.server.messages_api import anthropic_error, context_message
 
-        body = anthropic_error(err.status, err.message)
+        message = err.message if err.context is None else context_message(*err.context)
+        body = anthropic_error(err.status, message)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
@@ -119,7 +122,9 @@ def from_engine(exc: Exception) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, RequestTooLargeError):
-        return APIError(400, str(exc), code="context_length_exceeded", param="max_tokens")
+        return APIError(
+            400, str(exc), code="context_length_exceeded", param="max_tokens", context=exc.context
+        )
     if isinstance(exc, CapacityReducedError):
         return APIError(503, str(exc), code="capacity_reduced", headers={"Retry-After": "5"})
     if isinstance(exc, EngineNotReadyError):

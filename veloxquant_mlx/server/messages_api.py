@@ -40,6 +40,18 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def context_message(n_prompt: int, max_tokens: int, window: int) -> str:
+    """A request over the context window in Anthropic's words, which clients parse (Claude
+    Code compacts the conversation on "prompt is too long", and lowers ``max_tokens`` from the
+    numbers of the other)."""
+    if n_prompt >= window:
+        return f"prompt is too long: {n_prompt} tokens > {window} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {n_prompt} + {max_tokens} > "
+        f"{window}, decrease input length or `max_tokens` and try again"
+    )
+
+
 class _Block(BaseModel):
     model_config = ConfigDict(extra="ignore")  # cache_control, citations: no effect here
 

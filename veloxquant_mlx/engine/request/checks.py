@@ -35,7 +35,8 @@ def static_problem(
         return RequestTooLargeError(  # OpenAI's wording: clients match it
             f"This model's maximum context length is {context_window} tokens. However, you "
             f"requested {end} tokens ({n_prompt} in the prompt, {request.max_tokens} in the "
-            "completion). Please reduce the length of the prompt or messages, or max_tokens."
+            "completion). Please reduce the length of the prompt or messages, or max_tokens.",
+            (n_prompt, request.max_tokens, context_window),
         )
     return None
 
