@@ -172,6 +172,47 @@ def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp
     assert [t.token_id for t in tokens] == turn(plain, again, 4)[0]
 
 
+def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatch):
+    """A read's KV is memory outside the pool until its request is admitted: four returning
+    conversations start two reads, the others wait their turn, and all four hit their pages."""
+    from veloxquant_mlx.engine.loop import lookup
+
+    rng = random.Random(8)
+    prompts = [words(rng, 100) for _ in range(4)]
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    for p in prompts:
+        turn(first, p, 4)
+    first.shutdown(5)
+    gate = threading.Event()
+    read, start = DiskTier._read_file, DiskTier.start_read
+    started = []
+
+    def slow_disk(self, *args):
+        assert gate.wait(60)
+        return read(self, *args)
+
+    def counted(self, *args):
+        future = start(self, *args)
+        if future is not None:
+            started.append(future)
+        return future
+
+    monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
+    monkeypatch.setattr(DiskTier, "start_read", counted)
+    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    again = [p + words(rng, 3) for p in prompts]
+    handles = [restarted.submit(GenerationRequest(tuple(p), 4, GREEDY)) for p in again]
+    try:
+        time.sleep(0.3)
+        assert len(started) == lookup.MAX_DISK_READS == 2
+    finally:
+        gate.set()
+    for h in handles:
+        _, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent) and finish.usage.cached_tokens == 96
+    assert len(started) == 4
+
+
 def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path, caplog):
     rng = random.Random(5)
     prompt = words(rng, 80)  # 5 full pages; the last token is left to prefill

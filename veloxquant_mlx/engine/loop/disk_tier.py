@@ -143,6 +143,11 @@ class DiskTier:
         with self._lock:
             return name in self._index or name in self._pending
 
+    def has_page(self, tokens: list[int], first: int, parent: bytes, bs: int) -> bool:
+        """Whether the tier holds page ``first`` of ``tokens`` (its parent's digest
+        ``parent``)."""
+        return self.has(chain(parent, tokens[first * bs : (first + 1) * bs]))
+
     def start_read(
         self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
     ) -> Future[Run] | None:

@@ -14,6 +14,10 @@ from veloxquant_mlx.engine.loop.seq import Seq
 
 log = logging.getLogger("veloxquant.engine")
 
+# Waiting requests holding a disk read (in flight, or done and not yet admitted) at most: a
+# read's KV is memory outside the pool until its request is admitted.
+MAX_DISK_READS = 2
+
 
 class DiskReads(Protocol):
     """The prefix cache's disk tier as admission uses it (``disk_tier.DiskTier``)."""
@@ -23,6 +27,10 @@ class DiskReads(Protocol):
     ) -> Future[Any] | None:
         """Read the pages of ``tokens`` from page ``first`` on (up to ``limit``) off the
         engine thread; None when the tier lacks page ``first``."""
+
+    def has_page(self, tokens: list[int], first: int, parent: bytes, bs: int) -> bool:
+        """Whether the tier holds page ``first`` of ``tokens`` (its parent's digest
+        ``parent``)."""
 
     def run_kv(self, run: Any, skip: int) -> Any:
         """A finished read's KV past its first ``skip`` pages (``run.first``, ``run.n_pages``
@@ -57,17 +65,26 @@ def shares_a_prefill(cache: PrefixCache | None, seq: Seq, n_hits: int, running: 
 
 
 def disk_ready(
-    disk: DiskReads | None, cache: PrefixCache | None, seq: Seq, hits: list[Page]
+    disk: DiskReads | None,
+    cache: PrefixCache | None,
+    seq: Seq,
+    hits: list[Page],
+    reads: int = 0,
 ) -> bool:
     """Whether ``seq`` may be admitted as far as the disk tier goes: the tier has no page
     past its ``hits``, or the reader has read them. The first time, starts that read (the
-    server's own KV format only: the tier's files hold that one)."""
+    server's own KV format only: the tier's files hold that one), unless ``reads`` waiting
+    requests hold one already (``MAX_DISK_READS``): then it waits its turn."""
     if disk is None or cache is None or seq.kv_format:
         return True
     if seq.disk_read is None:
         bs = cache.block_size
         parent = hits[-1].digest if hits else cache.root
         limit = (len(seq.tokens) - 1) // bs  # its last token is prefilled
+        if len(hits) >= limit or not disk.has_page(seq.tokens, len(hits), parent, bs):
+            return True
+        if reads >= MAX_DISK_READS:
+            return False
         seq.disk_read = disk.start_read(seq.tokens, len(hits), parent, limit, bs)
         if seq.disk_read is None:
             return True

@@ -223,6 +223,7 @@ class Scheduler:
         share = self.share()
         held = collections.Counter(s.group for s in self.running)
         under = {s.group for s in self.waiting if held[s.group] < share}  # waiting, under share
+        reads = sum(1 for s in self.waiting if s.disk_read is not None)
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_running:
             head = self.waiting[i]
@@ -239,9 +240,6 @@ class Scheduler:
             if lookup.shares_a_prefill(self.cache, head, len(hits), self.running):
                 i += 1  # its next pages are being prefilled by another: it will hit them
                 continue
-            if not lookup.disk_ready(self.disk, self.cache, head, hits):
-                i += 1  # its next pages are being read from disk: the others go on
-                continue
             reserve = self.blocks.per_stream(self.n_layers * len(self.running))
             free = self._free_now() - self.blocks.per_stream(
                 self.n_layers * sum(p.span for p in hits if p.refs == 0)
@@ -252,6 +250,15 @@ class Scheduler:
             )
             if self.running and free - need < reserve:
                 break  # FIFO for memory: nobody overtakes the head
+            # its next pages are on disk: read only for a request the pool holds now, a few
+            # at a time (a read's KV waits outside the pool until it is admitted)
+            reading = head.disk_read is not None
+            ready = lookup.disk_ready(self.disk, self.cache, head, hits, reads)
+            reads += not reading and head.disk_read is not None  # a read started
+            if not ready:
+                i += 1  # being read (or waiting for a reader's turn): the others go on
+                continue
+            reads -= head.disk_read is not None  # its read is taken at admission
             if not self._take(head, hits, n):
                 break
             del self.waiting[i]
