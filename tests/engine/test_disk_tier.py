@@ -174,7 +174,8 @@ def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp
 
 def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatch):
     """A read's KV is memory outside the pool until its request is admitted: four returning
-    conversations start two reads, the others wait their turn, and all four hit their pages."""
+    conversations start two reads, the others wait their turn (the engine sleeps meanwhile),
+    and all four hit their pages."""
     from veloxquant_mlx.engine.loop import lookup
 
     rng = random.Random(8)
@@ -199,12 +200,16 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
 
     monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
     monkeypatch.setattr(DiskTier, "start_read", counted)
-    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turns = []
+    restarted = make_engine(
+        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), step_hook=lambda: turns.append(1)
+    )
     again = [p + words(rng, 3) for p in prompts]
     handles = [restarted.submit(GenerationRequest(tuple(p), 4, GREEDY)) for p in again]
     try:
         time.sleep(0.3)
         assert len(started) == lookup.MAX_DISK_READS == 2
+        assert len(turns) < 20  # the two waiting their turn do not make the engine spin
     finally:
         gate.set()
     for h in handles:

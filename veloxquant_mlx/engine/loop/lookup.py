@@ -81,9 +81,11 @@ def disk_ready(
         bs = cache.block_size
         parent = hits[-1].digest if hits else cache.root
         limit = (len(seq.tokens) - 1) // bs  # its last token is prefilled
+        seq.disk_turn = False
         if len(hits) >= limit or not disk.has_page(seq.tokens, len(hits), parent, bs):
             return True
         if reads >= MAX_DISK_READS:
+            seq.disk_turn = True  # until a read finishes (its callback wakes the engine)
             return False
         seq.disk_read = disk.start_read(seq.tokens, len(hits), parent, limit, bs)
         if seq.disk_read is None:

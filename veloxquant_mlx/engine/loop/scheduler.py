@@ -140,6 +140,7 @@ class Scheduler:
         n_cached = seq.pages.n_cached
         seq.pages = SeqPages(n_cached=n_cached)
         seq.preloaded = seq.disk_read = None
+        seq.disk_turn = False
         self.pool.free_all(seq.request_id)
         seq.table = []
         seq.n_kv = 0
@@ -344,9 +345,9 @@ class Scheduler:
 
     def ready(self) -> bool:
         """Whether a step has work: a request runs, or one waits that is not waiting for the
-        disk tier's reader (whose finished reads wake the engine)."""
+        disk tier's reader (whose finished reads wake the engine), or for a reader's turn."""
         return bool(self.running) or any(
-            s.disk_read is None or s.disk_read.done() for s in self.waiting
+            not s.disk_turn and (s.disk_read is None or s.disk_read.done()) for s in self.waiting
         )
 
     def victim(self) -> Seq:

@@ -39,6 +39,7 @@ class Seq:
     pages: SeqPages = field(default_factory=SeqPages)  # its side of the prefix cache
     preloaded: Any = None  # KV the disk tier loaded past its pages (the runner takes it)
     disk_read: Any = None  # the disk tier's read of its next pages (a Future), while waiting
+    disk_turn: bool = False  # its pages are on disk and the readers are taken: it waits
     out: Running | None = None
 
     @property
