@@ -110,7 +110,7 @@ class DiskTier:
         for _, stem, size in sorted(files):
             self._index[stem] = size
         self.bytes = sum(self._index.values())
-        self.hits = 0  # pages loaded
+        self.hits = 0  # pages a request started from (read, then taken at its admission)
         self.writes = 0  # pages written
         self.dropped = 0  # pages not written (the queue was full, or the write failed)
         self.skipped = 0  # files refused at load (corrupt, foreign, wrong shape)
@@ -162,7 +162,9 @@ class DiskTier:
 
     def run_kv(self, run: Run, skip: int) -> list[tuple[Parts, Parts]]:
         """``run``'s KV past its first ``skip`` pages, each layer's K and V as stored,
-        concatenated (``[1, H, n * bs, *]`` each part). Engine thread."""
+        concatenated (``[1, H, n * bs, *]`` each part); those pages count as hits. Engine
+        thread."""
+        self.hits += run.n_pages - skip
         n_parts = len(self.dtypes)
         spans: list[list[tuple[Parts, Parts]]] = []
         for n_pages, arrays in run.segments:
@@ -247,7 +249,6 @@ class DiskTier:
             run.n_pages += 1
             parent = digest
         flush()
-        self.hits += run.n_pages
         return run
 
     def _read_file(self, digest: bytes, tokens: list[int]) -> dict[str, np.ndarray] | None:
