@@ -67,16 +67,21 @@ def main() -> None:
     p.add_argument("--kv-cache-mb", type=float, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-args", default="", help="more flags for every server")
+    p.add_argument(
+        "--kv-recent-tokens", type=int, default=0,
+        help="a residual window for the servers that hold --own (the float server has none)",
+    )  # fmt: skip
     p.add_argument("--out", default="kv-mix")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = a.server_args.split()
     rng = random.Random(0)
+    window = ["--kv-recent-tokens", str(a.kv_recent_tokens)] if a.kv_recent_tokens else []
     servers = {
-        "own": (a.own, []),
+        "own": (a.own, window),
         "float": ("auto", []),
-        "mixed": (a.own, ["--kv-formats", "auto"]),
+        "mixed": (a.own, ["--kv-formats", "auto", *window]),
     }
     n = a.requests
     print("| round | server | traffic | tok/s |")
