@@ -115,6 +115,33 @@ def test_a_disconnect_at_any_stage_cancels_and_frees(one_slot, stage, stream):
     assert r.status_code == 200
 
 
+def test_a_half_closed_client_queued_past_the_grace_still_gets_its_answer(one_slot):
+    """A half-closed client (``SHUT_WR`` after its request) whose answer starts only after
+    ``EOF_GRACE``: the server probes it with interim ``100 Continue`` responses, which it
+    reads past, and it gets its answer; a client that is gone would have reset at the probe."""
+    from veloxquant_mlx.server.edge import EOF_GRACE
+
+    blocker = open_request(one_slot, {"model": MODEL, "prompt": "blocker", "max_tokens": 2000,
+                                      "stream": True})  # fmt: skip
+    wait_for(lambda: gauges(one_slot)["veloxquant_requests_running"] == 1, what="running")
+    waiting = open_request(one_slot, {"model": MODEL, "prompt": "patient", "max_tokens": 4})
+    waiting.shutdown(socket.SHUT_WR)
+    wait_for(lambda: gauges(one_slot)["veloxquant_requests_waiting"] == 1, what="queued")
+    time.sleep(EOF_GRACE + 1.5)  # probed twice by now, still queued
+    assert gauges(one_slot)["veloxquant_requests_waiting"] == 1
+    blocker.close()
+    out = b""
+    while chunk := waiting.recv(65536):  # until the server closes
+        out += chunk
+    waiting.close()
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    final = out[out.rindex(b"HTTP/1.1 ") :]
+    assert final.startswith(b"HTTP/1.1 200"), out[:300]
+    assert json.loads(final.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 4
+    wait_for(lambda: _idle(one_slot), what="idle")
+    one_slot.wait_pool_free()
+
+
 def test_shrinks_under_streaming_load_answer_everyone_truthfully(tmp_path, default_model_dir):
     """The issue's scenario: 6 streaming clients while the pool is shrunk every 0.3 s. Every
     request ends as a complete stream or a 503 capacity_reduced with Retry-After, at once."""

@@ -36,9 +36,14 @@ _LINGER_SECONDS = 1.0
 # Connections past --max-connections that may still ask for these (GET only).
 RESERVED = 8
 # Seconds a request whose client closed its side may take to start its response before the
-# client counts as gone (a half-closed client's answer has started by then, a stream's first
-# event, or a short completion; a vanished client holds its blocks no longer).
+# connection is probed (a half-closed client's answer has mostly started by then, a stream's
+# first event or a short completion), and between probes after that.
 EOF_GRACE = 2.0
+# A probe is an interim response (RFC 9110: a client must parse 1xx it did not ask for); a
+# client that closed its socket answers it with a reset, which the next write, this long
+# after, meets: its request is cancelled. A half-closed client reads on and keeps it.
+PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+PROBE_CHECK = 0.5
 OPS_PATHS = (b"/health", b"/ready", b"/metrics")
 
 
@@ -98,22 +103,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         half-close, which HTTP allows (``shutdown(SHUT_WR)`` after the request), or the client
         gone (a timeout, a crash): the same FIN. Keep the connection open to answer: a
         response under way shows a real close at its next write. One not started within
-        ``EOF_GRACE`` seconds counts as gone (its request is cancelled, as uvicorn did at
-        once), so a vanished client holds its blocks for at most that long."""
+        ``EOF_GRACE`` seconds is probed (``PROBE``): a client that is gone answers with a
+        reset, the next probe's write fails, and its request is cancelled (as uvicorn did at
+        once), so a vanished client holds its blocks about ``EOF_GRACE + PROBE_CHECK``
+        seconds; a half-closed one waits for its answer however long it takes."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete or cycle.more_body:
             return None  # nothing to answer, or a body that will never come: close
         self._eof = True
         if not cycle.response_started:
-            self._eof_timer = self.loop.call_later(EOF_GRACE, self._eof_expired)
+            self._eof_timer = self.loop.call_later(EOF_GRACE, self._probe, PROBE_CHECK)
         return True  # keep the transport open for writing
 
-    def _eof_expired(self) -> None:
+    def _probe(self, next_in: float) -> None:
+        """Write a probe while the answer has not started; a write to a client that reset the
+        connection fails, and asyncio's ``connection_lost`` tells the app it is gone."""
         cycle = self.cycle
-        if cycle is not None and not cycle.response_started and not cycle.response_complete:
-            cycle.disconnected = True  # the app's next receive() says http.disconnect
-            cycle.message_event.set()
-            self.transport.close()
+        if cycle is None or cycle.response_started or cycle.response_complete:
+            return
+        if self.transport.is_closing():
+            return
+        self.transport.write(PROBE)
+        self._eof_timer = self.loop.call_later(next_in, self._probe, EOF_GRACE)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
