@@ -434,7 +434,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         self._changed = False
-        snap = snapshot_of(self.scheduler, self.runner, self._holds_a_request, self.parts.disk)
+        snap = snapshot_of(self.scheduler, self.runner, self._holds_a_request)
         with self.inbox.lock:
             self.inbox.snapshot = snap
             self.inbox.n_waiting = snap.waiting

@@ -154,7 +154,7 @@ class DiskTier:
         """Read the pages of ``tokens`` from page ``first`` (whose parent's digest is
         ``parent``) up to ``limit`` pages, while the tier has them, on the reader thread; None
         when it lacks page ``first``."""
-        if first >= limit or not self.has(chain(parent, tokens[first * bs : (first + 1) * bs])):
+        if first >= limit or not self.has_page(tokens, first, parent, bs):
             return None
         future = self._reader.submit(self._read_run, tokens, first, parent, limit, bs)
         future.add_done_callback(lambda _: self.on_read())

@@ -42,10 +42,9 @@ def disk_fields(disk: DiskTier) -> dict[str, Any]:
     }
 
 
-def snapshot_of(
-    sched: Scheduler, runner: Runner, holds_a_request: bool, disk: DiskTier | None = None
-) -> StepSnapshot:
-    """The engine as it is after a turn (engine thread)."""
+def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> StepSnapshot:
+    """The engine as it is after a turn (engine thread); the disk tier's counters are read
+    live by ``stats`` (``disk_fields``)."""
     cache = None if sched.cache is None else sched.cache.refresh_counts()
     extra: dict[str, Any] = {}
     if cache is not None:
@@ -57,8 +56,6 @@ def snapshot_of(
             "prefix_hits_total": cache.hits,
             "prefix_evictions_total": cache.evictions,
         }
-    if disk is not None:
-        extra.update(disk_fields(disk))
     return StepSnapshot(
         running=len(sched.running),
         waiting=len(sched.waiting),

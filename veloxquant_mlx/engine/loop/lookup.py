@@ -6,6 +6,7 @@ them. Functions of the scheduler's admission (engine thread). No MLX.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -69,12 +70,12 @@ def disk_ready(
     cache: PrefixCache | None,
     seq: Seq,
     hits: list[Page],
-    reads: int = 0,
+    waiting: Iterable[Seq],
 ) -> bool:
     """Whether ``seq`` may be admitted as far as the disk tier goes: the tier has no page
     past its ``hits``, or the reader has read them. The first time, starts that read (the
-    server's own KV format only: the tier's files hold that one), unless ``reads`` waiting
-    requests hold one already (``MAX_DISK_READS``): then it waits its turn."""
+    server's own KV format only: the tier's files hold that one), unless requests of
+    ``waiting`` hold ``MAX_DISK_READS`` already: then it waits its turn."""
     if disk is None or cache is None or seq.kv_format:
         return True
     if seq.disk_read is None:
@@ -84,7 +85,7 @@ def disk_ready(
         seq.disk_turn = False
         if len(hits) >= limit or not disk.has_page(seq.tokens, len(hits), parent, bs):
             return True
-        if reads >= MAX_DISK_READS:
+        if sum(s.disk_read is not None for s in waiting) >= MAX_DISK_READS:
             seq.disk_turn = True  # until a read finishes (its callback wakes the engine)
             return False
         seq.disk_read = disk.start_read(seq.tokens, len(hits), parent, limit, bs)

@@ -224,7 +224,6 @@ class Scheduler:
         share = self.share()
         held = collections.Counter(s.group for s in self.running)
         under = {s.group for s in self.waiting if held[s.group] < share}  # waiting, under share
-        reads = sum(1 for s in self.waiting if s.disk_read is not None)
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_running:
             head = self.waiting[i]
@@ -253,13 +252,9 @@ class Scheduler:
                 break  # FIFO for memory: nobody overtakes the head
             # its next pages are on disk: read only for a request the pool holds now, a few
             # at a time (a read's KV waits outside the pool until it is admitted)
-            reading = head.disk_read is not None
-            ready = lookup.disk_ready(self.disk, self.cache, head, hits, reads)
-            reads += not reading and head.disk_read is not None  # a read started
-            if not ready:
+            if not lookup.disk_ready(self.disk, self.cache, head, hits, self.waiting):
                 i += 1  # being read (or waiting for a reader's turn): the others go on
                 continue
-            reads -= head.disk_read is not None  # its read is taken at admission
             if not self._take(head, hits, n):
                 break
             del self.waiting[i]
