@@ -89,7 +89,9 @@ def test_a_disconnect_at_any_stage_cancels_and_frees(one_slot, stage, stream):
         victim.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 500\r\n\r\n{")
         time.sleep(0.2)
     elif stage == "queued":
-        blocker = open_request(one_slot, {**body, "prompt": "blocker", "stream": True})
+        blocker = open_request(
+            one_slot, {**body, "prompt": "blocker", "stream": True, "logit_bias": {"2": -100}}
+        )
         wait_for(lambda: gauges(one_slot)["veloxquant_requests_running"] == 1, what="running")
         victim = open_request(one_slot, body)
         wait_for(lambda: gauges(one_slot)["veloxquant_requests_waiting"] == 1, what="queued")
@@ -121,14 +123,18 @@ def test_a_half_closed_client_queued_past_the_grace_still_gets_its_answer(one_sl
     reads past, and it gets its answer; a client that is gone would have reset at the probe."""
     from veloxquant_mlx.server.edge import EOF_GRACE
 
-    blocker = open_request(one_slot, {"model": MODEL, "prompt": "blocker", "max_tokens": 2000,
-                                      "stream": True})  # fmt: skip
+    # Nearly the model's whole 8,192-token window, EOS banned: tens of seconds of decoding on
+    # any machine this runs on, so the blocker is still running when the queue is checked.
+    blocker = open_request(one_slot, {"model": MODEL, "prompt": "blocker", "max_tokens": 8000,
+                                      "stream": True, "logit_bias": {"2": -100}})  # fmt: skip
     wait_for(lambda: gauges(one_slot)["veloxquant_requests_running"] == 1, what="running")
     waiting = open_request(one_slot, {"model": MODEL, "prompt": "patient", "max_tokens": 4})
     waiting.shutdown(socket.SHUT_WR)
     wait_for(lambda: gauges(one_slot)["veloxquant_requests_waiting"] == 1, what="queued")
     time.sleep(EOF_GRACE + 1.5)  # probed twice by now, still queued
-    assert gauges(one_slot)["veloxquant_requests_waiting"] == 1
+    g = gauges(one_slot)
+    assert g["veloxquant_requests_running"] == 1, "the blocker finished before the check"
+    assert g["veloxquant_requests_waiting"] == 1
     blocker.close()
     out = b""
     while chunk := waiting.recv(65536):  # until the server closes
