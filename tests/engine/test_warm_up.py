@@ -8,7 +8,13 @@ from __future__ import annotations
 import logging
 
 from tests.conftest import assert_engine_all_free
-from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID, wanted, warm_up_waves
+from veloxquant_mlx.engine.loop.warmup import (
+    NEXT_TURN,
+    WARM_UP_ID,
+    long_context,
+    wanted,
+    warm_up_waves,
+)
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -136,3 +142,45 @@ def test_a_warmed_engine_with_several_formats_runs_them_and_is_left_free(make_en
         GenerationRequest(tuple(range(5, 40)), 6, GREEDY, kv_format="fp32")
     ).collect(60)
     assert finish.finish_reason == "length"
+
+
+def test_the_long_conversation_is_cuda_only_by_default_and_bounded_by_window_and_pool():
+    def fits(n: int) -> bool:
+        return True
+
+    assert long_context(None, 8192, fits) == 0  # this suite runs MLX on a CPU
+    assert long_context(0, 8192, fits) == 0
+    assert long_context(4096, 32768, fits) == 4096
+    assert long_context(4096, 2048, fits) == 2048 - NEXT_TURN - 3 - 1  # the window's
+    assert long_context(8192, None, lambda n: n <= 3000) == 2048  # halved until it fits
+    assert long_context(8192, None, lambda n: n <= 900) == 0  # too short to be worth it
+
+
+def test_the_long_conversation_is_a_prompt_beside_a_decoding_row_then_its_next_turn():
+    waves = warm_up_waves(4, 64, 8192, 2048, prefill_budget=32, conversation=3000)
+    [beside] = [w for w in waves if any(len(r.prompt_tokens) == 3000 for r in w)]
+    short, first = beside
+    assert len(short.prompt_tokens) < 64 and short.max_tokens > first.max_tokens
+    [(second,)] = [w for w in waves if any(len(r.prompt_tokens) == 3000 + NEXT_TURN for r in w)]
+    assert second.prompt_tokens[:3000] == first.prompt_tokens  # the cached turn
+    assert waves.index([second]) == waves.index(beside) + 1
+    assert not any(
+        len(r.prompt_tokens) >= 3000 for w in warm_up_waves(4, 64, 8192, 2048) for r in w
+    )
+
+
+def test_a_warm_up_with_a_long_conversation_finds_its_turn_cached_and_leaves_nothing(
+    make_engine, caplog
+):
+    with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
+        engine = make_engine(
+            kv_cache_mb=32, warm_up="on", warm_up_context=1500, max_running=4, prefill_step=256,
+            prefix_caching=True,
+        )  # fmt: skip
+    [line] = [r.getMessage() for r in caplog.records if "warmed up" in r.getMessage()]
+    # the second turn found the first turn's full pages (1,500 tokens: 93 pages of 16)
+    assert "(1488 prompt tokens found cached)" in line, line
+    stats = engine.stats()
+    assert stats.cached_blocks == 0 and stats.prefix_queries_total == 0
+    assert engine.pool is not None and engine.pool.stats.blocks_in_use() == 0
+    assert_engine_all_free(engine)

@@ -50,6 +50,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_budget=settings.prefill_budget,
         idle_prefill_budget=settings.idle_prefill_budget,
         warm_up=settings.warm_up,
+        warm_up_context=settings.warm_up_context,
         kv_layout=settings.kv_layout,
         kv_format=settings.kv_format,
         kv_formats=settings.kv_format_list,

@@ -26,8 +26,8 @@ from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefix
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
 from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
+from veloxquant_mlx.engine.loop.warmup import long_context, warm_up_waves
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
-from veloxquant_mlx.engine.loop.warmup import warm_up_waves
 from veloxquant_mlx.engine.model import loader
 from veloxquant_mlx.engine.request.checks import score_problem
 from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
@@ -192,14 +192,24 @@ class Engine(HostBase):
                 self._core.scheduler.prefill_budget,
                 self._core.runner.kv.ragged.prefill_bucket,
                 rt.kv_formats[1:],
+                long_context(
+                    self.config.warm_up_context,
+                    info.context_window,
+                    self._core.scheduler.blocks.could_ever_fit,
+                ),
             )
             try:
-                n = self._core.warm_up(waves)
+                n, hits = self._core.warm_up(waves)
             except (RuntimeError, ValueError) as exc:  # a shape these flags cannot run here
                 raise RuntimeError(
                     f"the warm-up's requests failed on {rt.device}: {_first_line(exc)}"
                 ) from exc
-            log.info("warmed up: %d requests in %.1f s", n, time.monotonic() - started)
+            log.info(
+                "warmed up: %d requests in %.1f s (%d prompt tokens found cached)",
+                n,
+                time.monotonic() - started,
+                hits,
+            )
         self._loaded(info, parts)
         if rt.group is not None:
             watchdog = threading.Thread(

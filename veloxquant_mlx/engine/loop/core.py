@@ -280,10 +280,11 @@ class EngineCore:
         if self.scheduler.cache is not None:
             self.scheduler.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
 
-    def warm_up(self, waves: list[list[GenerationRequest]]) -> int:
+    def warm_up(self, waves: list[list[GenerationRequest]]) -> tuple[int, int]:
         """Run ``waves`` of synthetic requests (``warmup``), each to its end, then drop what
         they left: cached pages, counters, the published snapshot. Before the engine is ready
-        (nothing else runs). Returns how many requests ran."""
+        (nothing else runs). Returns how many requests ran and the prompt tokens they found
+        cached (the long conversation's second turn)."""
         n = 0
         sched, cache = self.scheduler, self.scheduler.cache
         hooks = (sched.disk, None if cache is None else cache.on_evict)
@@ -299,6 +300,7 @@ class EngineCore:
                 n += 1
             while self._busy() or self._inflight:
                 self._turn()
+        hits = 0 if cache is None else cache.counts.hits
         self.scheduler.reset_cache()
         sched.disk = hooks[0]
         if cache is not None:
@@ -309,7 +311,7 @@ class EngineCore:
         with self.inbox.lock:
             self.inbox.counters = Counters()
         self._publish()
-        return n
+        return n, hits
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""

@@ -9,11 +9,15 @@ prefill widths padded to a bucket, every bucketed width up to them) and one of s
 chunks; rows at different positions (the masked decode step) beside a prompt prefilled in
 chunks, at 2 rows and at ``max_running``; a sampled request with penalties, top-k/top-p
 and logprobs; with several KV formats (``--kv-formats``), every batch size in each other
-format and rows of every format at once (each format's store meets its own shapes); then it
-drops what they left (cached pages, counters). Engine thread only.
+format and rows of every format at once (each format's store meets its own shapes); on CUDA
+a long conversation (``--warm-up-context``: a prompt of thousands of tokens beside a decoding
+row, then resent with a few more tokens, an agent's next turn); then it drops what they left
+(cached pages, counters). Engine thread only.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 
@@ -24,6 +28,11 @@ WARM_UP_ID = 1 << 62
 PROMPT = 8  # tokens of a decode wave's prompts
 DECODE = 3  # tokens each request generates
 RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
+# Tokens of the long conversation on CUDA (``long_context``): MLX builds kernels per process
+# for the variants long rows take (reductions and softmax over thousands of keys, copies of
+# large working sets), which short prompts never meet
+LONG_CONTEXT = 8192
+NEXT_TURN = 64  # tokens the long conversation's second turn adds
 
 
 def wanted(mode: str) -> bool:
@@ -36,6 +45,22 @@ def wanted(mode: str) -> bool:
     return mode == "on"
 
 
+def long_context(setting: int | None, context_window: int | None, fits: Any) -> int:
+    """Tokens of the warm-up's long conversation: ``setting`` (None: ``LONG_CONTEXT`` on CUDA,
+    0 elsewhere), at most the context window less its second turn and what ``fits(n)`` (a
+    request of n tokens fits the pool alone) allows, halving; 0 below a few chunks' worth."""
+    n = setting if setting is not None else LONG_CONTEXT if _cuda() else 0
+    if context_window:
+        n = min(n, context_window - NEXT_TURN - DECODE - 1)
+    while n >= 1024 and not fits(n + NEXT_TURN + DECODE):
+        n //= 2
+    return n if n >= 1024 else 0
+
+
+def _cuda() -> bool:
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
 def warm_up_waves(
     max_running: int,
     prefill_step: int,
@@ -44,12 +69,16 @@ def warm_up_waves(
     prefill_budget: int | None = None,
     bucket: int = 0,
     formats: tuple[str, ...] = (),
+    conversation: int = 0,
 ) -> list[list[GenerationRequest]]:
     """The warm-up's waves, run one after the other (each to its end, so each batch size is
     met). Prompts differ from each other, so no prefix-cache hit changes a shape. The chunk
     widths met are ``prefill_step`` and, while others decode, ``prefill_budget``; with
     ``bucket`` (prefill widths padded to its multiples), each multiple up to the larger.
-    ``formats``: the KV formats besides the server's own a request may ask for."""
+    ``formats``: the KV formats besides the server's own a request may ask for.
+    ``conversation``: tokens of a long conversation (``long_context``), whose second turn
+    resends the first turn's prompt (a prefix-cache hit, where caching is on) with
+    ``NEXT_TURN`` more tokens."""
     waves: list[list[GenerationRequest]] = []
     serial = 0
 
@@ -88,6 +117,15 @@ def warm_up_waves(
                 ]
                 + [GenerationRequest(prompt(long), DECODE, greedy)]
             )
+    if conversation:
+        first = prompt(conversation)
+        waves.append(
+            [
+                GenerationRequest(prompt(PROMPT), RAGGED_DECODE, greedy),
+                GenerationRequest(first, DECODE, greedy),
+            ]
+        )
+        waves.append([GenerationRequest(first + prompt(NEXT_TURN), DECODE, greedy)])
     sampled = SamplingParams(
         temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.1
     )
