@@ -159,3 +159,63 @@ def test_a_tool_loop_keeps_hitting_through_every_earlier_call(default_model):
         sent += [{"role": "assistant", "content": "", "tool_calls": [call]},
                  {"role": "tool", "tool_call_id": call["id"], "content": str(turn)}]  # fmt: skip
     assert len(store) == 1  # one conversation, one turn remembered
+
+
+def test_saved_answers_are_read_back_and_a_bad_file_is_skipped_in_one_line(
+    default_model, tmp_path, caplog
+):
+    import json
+    import logging
+
+    from veloxquant_mlx.server.answers import FILE
+
+    _, tok = default_model
+    store = AnswerTokens(4)
+    prompt = render(tok, [SYSTEM, {"role": "user", "content": "hi"}])
+    shown = answer(store, tok, prompt, [1026, 1026, 31, 809])
+    assert store.save(str(tmp_path)) == 1 and (tmp_path / FILE).exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+    again = AnswerTokens(4)
+    assert again.load(str(tmp_path), vocab_size=2048) == 1
+    text = render(tok, [SYSTEM, {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": shown},
+                        {"role": "user", "content": "ok"}])  # fmt: skip
+    assert again.encode(tok, text) == store.encode(tok, text)
+    assert again.encode(tok, text)[1] == prompt + shown
+    assert AnswerTokens(4).load(str(tmp_path / "none"), 2048) == 0  # no file: none, silently
+    assert AnswerTokens(0).load(str(tmp_path), 2048) == 0  # off
+
+    good = json.loads((tmp_path / FILE).read_text())
+    bad_files = {
+        "not json": "{",
+        "another version": json.dumps({**good, "version": 99}),
+        "an id past the vocabulary": json.dumps(
+            {**good, "turns": [[*good["turns"][0][:2], [5000], good["turns"][0][3]]]}
+        ),
+        "a key that is not the answer's": json.dumps(
+            {**good, "turns": [[*good["turns"][0][:3], "other text"]]}
+        ),
+        "a turn of the wrong shape": json.dumps({**good, "turns": [[1, 2]]}),
+    }
+    for what, content in bad_files.items():
+        (tmp_path / FILE).write_text(content)
+        caplog.clear()
+        store = AnswerTokens(4)
+        with caplog.at_level(logging.WARNING, logger="veloxquant.server"):
+            assert store.load(str(tmp_path), 2048) == 0, what
+        assert len(store) == 0, what
+        [record] = caplog.records
+        assert "remembered answers" in record.getMessage() and "skipped" in record.getMessage()
+
+
+def test_load_keeps_the_newest_up_to_capacity(default_model, tmp_path):
+    _, tok = default_model
+    store = AnswerTokens(8)
+    for word in "abcde":
+        answer(store, tok, render(tok, [{"role": "user", "content": word}]), [1026])
+    store.save(str(tmp_path))
+    small = AnswerTokens(2)
+    assert small.load(str(tmp_path), 2048) == 2
+    kept = list(small._turns)
+    assert [k for k in store._turns][-2:] == kept

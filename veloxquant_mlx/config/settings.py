@@ -186,7 +186,8 @@ class Settings(BaseSettings):
         description="Remember this many recent chat answers with the tokens the model generated "
         "for them: a next turn that resends one (the conversation so far, then the answer's "
         "text) is encoded with those tokens, so its prefix-cache hit runs through the answer "
-        "(re-encoding an answer's text need not give back its tokens); 0: off.",
+        "(re-encoding an answer's text need not give back its tokens); with "
+        "--prefix-cache-dir they are kept there across a clean restart; 0: off.",
     )
     prefix_cache_dir: str | None = Field(
         None,

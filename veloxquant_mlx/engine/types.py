@@ -356,3 +356,6 @@ class EngineInfo:
     # The KV formats a request may ask for (canonical names, kv.codec): the server's own
     # first, then the rest of --kv-formats.
     kv_formats: tuple[str, ...] = ()
+    # The disk tier's directory for this model (--prefix-cache-dir, keyed by the model's
+    # files): the server keeps its remembered answers there too. None: no disk tier.
+    disk_dir: str | None = None

@@ -18,10 +18,19 @@ template renders its own way (its JSON spacing, not the model's). The calls' ids
 answer (``ToolCallSplitter.call_base``), so such a message is rendered as the text the model
 generated instead (``as_generated``), which then matches as a text answer does; a template that
 refuses that conversation renders the calls as sent.
+
+With ``--prefix-cache-dir`` the remembered answers survive a restart with the pages: written
+at a clean stop (``save``, ``answers.json`` in the disk tier's directory for the model, which
+its files key), read at start (``load``), so the first turn after a restart hits through the
+answer it resends, as it would have before. A file that cannot be read is skipped with one log
+line.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,6 +41,10 @@ from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 
 # Tool-call answers kept per remembered turn: a conversation resends every earlier call.
 CALLS_PER_TURN = 32
+FILE = "answers.json"  # in the disk tier's directory (``EngineInfo.disk_dir``)
+VERSION = 1
+
+log = logging.getLogger("veloxquant.server")
 
 
 @dataclass(slots=True)
@@ -128,6 +141,49 @@ class AnswerTokens:
                 while len(self._calls) > CALLS_PER_TURN * self.capacity:
                     self._calls.popitem(last=False)
 
+    def save(self, directory: str) -> int:
+        """Write the remembered answers to ``directory``/``FILE`` (replacing it whole: a
+        temporary file, then a rename). Returns how many; a failure is logged, not raised."""
+        with self._lock:
+            turns = [
+                [key, list(t.prompt_ids), list(t.answer_ids), t.answer_text]
+                for key, t in self._turns.items()
+            ]
+            calls = list(self._calls.items())
+        path = os.path.join(directory, FILE)
+        try:
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"version": VERSION, "turns": turns, "calls": calls}, f)
+            os.replace(path + ".tmp", path)
+        except OSError as exc:
+            log.warning("remembered answers not written to %s: %s", path, exc)
+            return 0
+        return len(turns)
+
+    def load(self, directory: str, vocab_size: int) -> int:
+        """Remember the answers ``save`` wrote to ``directory`` (the newest ``capacity``), whose
+        ids must be below ``vocab_size``. Returns how many; a missing file is none, one that
+        cannot be read or checked is logged and skipped whole."""
+        path = os.path.join(directory, FILE)
+        if not self.capacity or not os.path.exists(path):
+            return 0
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if data.get("version") != VERSION:
+                raise ValueError(f"version {data.get('version')!r}, not {VERSION}")
+            turns = [_turn(entry, vocab_size) for entry in data["turns"]]
+            calls = [(str(base), str(text)) for base, text in data["calls"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("remembered answers in %s skipped: %s", path, exc)
+            return 0
+        with self._lock:
+            for key, turn in turns[-self.capacity :]:
+                self._turns[key] = turn
+            for base, text in calls[-CALLS_PER_TURN * self.capacity :]:
+                self._calls[base] = text
+        return min(len(turns), self.capacity)
+
     def _longest(self, text: str) -> tuple[str | None, Turn | None]:
         """The remembered turn whose prompt + answer ``text`` starts with, the longest."""
         best: str | None = None
@@ -169,6 +225,18 @@ class Answer:
         whole = event.finish_reason in ("stop", "length") and event.stop_string is None
         if whole and self.ids:
             self.store.remember(self)
+
+
+def _turn(entry: Any, vocab_size: int) -> tuple[str, Turn]:
+    """One saved turn ``[key, prompt ids, answer ids, answer text]``, checked (ids in the
+    vocabulary, the key ending with the answer). Raises ValueError or TypeError otherwise."""
+    key, prompt_ids, answer_ids, text = entry
+    ids = [*prompt_ids, *answer_ids]
+    if not (isinstance(key, str) and isinstance(text, str) and key.endswith(text)):
+        raise ValueError("a turn's key is not its prompt and answer text")
+    if not answer_ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+        raise ValueError("a turn's token ids are not ids")
+    return key, Turn(tuple(prompt_ids), tuple(answer_ids), text)
 
 
 def _base(call_id: str) -> str:

@@ -130,6 +130,10 @@ def create_app(
             name,
             answers=AnswerTokens(settings.resent_answers, metrics.resent_answers.inc),
         )
+        disk_dir = eng.info.disk_dir if eng.info is not None else None
+        if disk_dir is not None:
+            n = app.state.vq.answers.load(disk_dir, eng.vocab_size)
+            log.info("remembered answers: %d read from the prefix cache's directory", n)
         joining = None
         if settings.register_with:
             worker = settings.advertise_url or f"http://{settings.host}:{settings.port}"
@@ -154,6 +158,9 @@ def create_app(
                 await asyncio.to_thread(app.state.vq.registration.deregister)
             if own:
                 await asyncio.to_thread(eng.shutdown, settings.drain_timeout)
+            if disk_dir is not None:
+                n = await asyncio.to_thread(app.state.vq.answers.save, disk_dir)
+                log.info("remembered answers: %d written to the prefix cache's directory", n)
 
     app = FastAPI(
         title="veloxquant-mlx serve",

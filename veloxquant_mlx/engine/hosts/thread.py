@@ -181,6 +181,7 @@ class Engine(HostBase):
             group=GroupInfo() if rt.group is None else rt.group.info,
             chat_template=self.config.chat_template,
             kv_formats=rt.kv_formats,
+            disk_dir=None if rt.disk is None else str(rt.disk.dir),
         )
         if warm_up_wanted(self.config.warm_up) and rt.group is None:
             started = time.monotonic()
