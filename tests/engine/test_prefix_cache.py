@@ -246,3 +246,36 @@ def test_prompts_that_arrive_together_with_one_prefix_prefill_it_once(make_engin
     assert [r[0] for r in got] == [r[0] for r in run(plain, prompts)]
     stats = engine.stats()
     assert stats.prefix_hits_total == 3 * (300 // BS * BS)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_prompt_whose_first_token_is_its_last_caches_its_pages_without_decoding(
+    make_engine, layout, monkeypatch
+):
+    """``max_tokens`` 1 (a cache warm-up, a classification): the prompt's pages are cached and
+    its token is the same as a longer request's first; in the dense layout it never joins the
+    batch, so no decode step runs for it (the paged layout writes its pages into the pool's
+    blocks by joining)."""
+    from veloxquant_mlx.engine.loop.runner import Runner
+
+    steps: list[int] = []
+    original = Runner.step
+
+    def counted(self, max_block_id):
+        steps.append(len([r for r in self.rows if r is not None]))
+        return original(self, max_block_id)
+
+    monkeypatch.setattr(Runner, "step", counted)
+    engine = make_engine(kv_cache_mb=32, **LAYOUTS[layout])
+    rng = random.Random(11)
+    prompt = words(rng, 5 * BS + 3)
+    [(one, cached, reason, _)] = run(engine, [prompt], max_tokens=1)
+    assert (len(one), cached, reason) == (1, 0, "length")
+    assert (steps == []) == (layout == "dense"), steps
+    # the next turn finds them, and is the same token as a request that goes on decoding
+    [(two, cached2, _, _)] = run(engine, [[*prompt, 7]], max_tokens=1)
+    assert cached2 == 5 * BS
+    assert (steps == []) == (layout == "dense"), steps
+    [(longer, _, _, _)] = run(engine, [[*prompt, 7]], max_tokens=6)
+    assert longer[0] == two[0] and len(longer) == 6 and steps
+    wait_idle(engine)

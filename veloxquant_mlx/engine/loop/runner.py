@@ -202,10 +202,21 @@ class Runner:
         return parts[0] if codec is None else codec.decode(parts)
 
     def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
+        """Make the prefilled ``seq`` a row of the batch, its KV ``layers`` (default: its
+        prefill caches') copied into the layout; the prefix cache gets its prompt pages
+        (``on_join``). A prompt whose first token is its last (``max_tokens`` 1: a cache warm-up,
+        a classification) never decodes: where the layout keeps no pages (dense), it gets its
+        pages cached and does not join, so nobody's next step pays the copy of its context
+        into the working set nor a decode step of it."""
         state = row_state(seq)
         if layers is None:
             caches: list[Any] = state.caches or []
             layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+        if seq.handle.request.max_tokens <= 1 and not self.kv.keeps_pages:
+            state.caches = None
+            if self.on_join is not None:
+                self.on_join(seq, layers)
+            return
         try:  # the first hole a leaver left, else a new row at the end
             slot = self.rows.index(None)
         except ValueError:
