@@ -253,3 +253,25 @@ def test_install_leaves_a_function_of_the_same_name_that_is_not_mlx_lms(monkeypa
     monkeypatch.setattr(llama, "scaled_dot_product_attention", own)
     assert attention.install(llama.Model(llama.ModelArgs.from_dict(CONFIG))) == 0
     assert llama.scaled_dot_product_attention is own
+
+
+def test_a_working_set_allocates_the_rows_it_holds_to_the_next_power_of_two():
+    """A lone row (one agent session) gets one row of working set, not ``ROW_CHUNK``; rows
+    grow by powers of two up to ``ROW_CHUNK``, then by chunks, keeping every row's KV."""
+    from veloxquant_mlx.kv.dense import ROW_CHUNK, rows_to_allocate
+
+    assert [rows_to_allocate(0, n) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
+    assert rows_to_allocate(1, 2) == 2 and rows_to_allocate(2, 3) == 4
+    assert rows_to_allocate(ROW_CHUNK, ROW_CHUNK + 1) == 2 * ROW_CHUNK
+    assert rows_to_allocate(1, 1) == 1 and rows_to_allocate(4, 3) == 4  # no growth asked
+    kv = DenseKV(2)
+    first = [(mx.full((1, 2, 5, 4), float(i)), mx.full((1, 2, 5, 4), -float(i))) for i in (1, 2)]
+    kv.put_row(0, first, None)
+    kv.begin_step(kv.step_batch([5]), 0)  # a step of that one row: still one
+    assert kv.rows == 1 and kv.k[0].shape[0] == 1
+    for row in (1, 2):
+        kv.put_row(row, [(k * (row + 2), v * (row + 2)) for k, v in first], None)
+    assert kv.rows == 4 and kv.k[1].shape[0] == 4
+    assert mx.array_equal(kv.k[1][0, :, :5], first[1][0][0]).item()
+    assert mx.array_equal(kv.v[0][1, :, :5], 3 * first[0][1][0]).item()
+    assert mx.array_equal(kv.k[0][2, :, :5], 4 * first[0][0][0]).item()

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.codec import KVCodec, Stored, join_spans, slice_span
-from veloxquant_mlx.kv.dense import ROW_CHUNK, DenseKV
+from veloxquant_mlx.kv.dense import DenseKV, rows_to_allocate
 from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
 
 # The capacity shrinks when the batch's width needs this many positions fewer (hysteresis: a
@@ -68,7 +68,7 @@ class QuantizedDenseKV(DenseKV):
         """Room for ``rows`` rows of ``positions`` positions; with ``shrink``, a capacity
         ``SHRINK_SLACK`` past that comes down to it."""
         assert self._geometry is not None
-        new_rows = max(self.rows, -(-rows // ROW_CHUNK) * ROW_CHUNK)
+        new_rows = rows_to_allocate(self.rows, rows)
         need = -(-positions // READ_CHUNK) * READ_CHUNK
         new_cap = max(self.capacity, need)
         if shrink and self.capacity - need >= SHRINK_SLACK:
