@@ -132,7 +132,7 @@ def create_app(
         )
         disk_dir = eng.info.disk_dir if eng.info is not None else None
         if disk_dir is not None:
-            n = app.state.vq.answers.load(disk_dir, eng.vocab_size)
+            n = await asyncio.to_thread(app.state.vq.answers.load, disk_dir, eng.vocab_size)
             log.info("remembered answers: %d read from the prefix cache's directory", n)
         joining = None
         if settings.register_with:
