@@ -34,6 +34,7 @@ def test_the_turn_after_a_restart_hits_through_the_previous_answer(tmp_path, def
     srv = start_server(tmp_path, "--prefix-cache-dir", str(pages))
     try:
         out = chat(srv, first)
+        srv.wait_pool_free()
     finally:
         assert stop_server(srv) == 0, srv.log()
     assert "remembered answers: 1 written" in srv.log()
