@@ -17,7 +17,7 @@ row, then resent with a few more tokens, an agent's next turn); then it drops wh
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -45,7 +45,9 @@ def wanted(mode: str) -> bool:
     return mode == "on"
 
 
-def long_context(setting: int | None, context_window: int | None, fits: Any) -> int:
+def long_context(
+    setting: int | None, context_window: int | None, fits: Callable[[int], bool]
+) -> int:
     """Tokens of the warm-up's long conversation: ``setting`` (None: ``LONG_CONTEXT`` on CUDA,
     0 elsewhere), at most the context window less its second turn and what ``fits(n)`` (a
     request of n tokens fits the pool alone) allows, halving; 0 below a few chunks' worth."""
