@@ -103,6 +103,12 @@ class RaggedAttention:
         return f"matmul>={self.min_rows}"
 
 
+def cuda_available() -> bool:
+    """Whether this MLX has its CUDA backend and a device for it (a build without the
+    ``mx.cuda`` module has not)."""
+    return bool(getattr(getattr(mx, "cuda", None), "is_available", bool)())
+
+
 def choose(
     requested: str,
     gpu: bool | None = None,
@@ -127,7 +133,7 @@ def choose(
             raise ValueError(f"{what} must be one of {', '.join(allowed)}, got {value!r}")
     on_gpu = mx.default_device() == mx.gpu if gpu is None else gpu
     if cuda is None:
-        cuda = on_gpu and bool(getattr(getattr(mx, "cuda", None), "is_available", bool)())
+        cuda = on_gpu and cuda_available()
     exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
     prefill_matmul = prefill == "matmul" or (prefill == "auto" and cuda)
     if bucket is None:

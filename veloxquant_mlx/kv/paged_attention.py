@@ -24,6 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.kv.attention import cuda_available
+
 WARPS = 8  # per thread block: 256 threads
 SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
 
@@ -133,7 +135,7 @@ def kernel_runs(head_dim: int, group: int) -> bool:
     dim of whole warps, and the warps' partials for ``group`` query heads per KV head in shared
     memory. Elsewhere it runs the same attention in MLX ops (``reference``)."""
     fits = head_dim % 32 == 0 and WARPS * group * (head_dim + 2) * 4 <= SHARED_BYTES
-    return fits and mx.cuda.is_available() and mx.default_device() == mx.gpu
+    return fits and cuda_available() and mx.default_device() == mx.gpu
 
 
 class PagedAttention:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+from veloxquant_mlx.kv.attention import cuda_available
 
 # Request ids of the warm-up, above any a host hands out (they are the pool's owners).
 WARM_UP_ID = 1 << 62
@@ -51,16 +52,13 @@ def long_context(
     """Tokens of the warm-up's long conversation: ``setting`` (None: ``LONG_CONTEXT`` on CUDA,
     0 elsewhere), at most the context window less its second turn and what ``fits(n)`` (a
     request of n tokens fits the pool alone) allows, halving; 0 below a few chunks' worth."""
-    n = setting if setting is not None else LONG_CONTEXT if _cuda() else 0
+    on_cuda = mx.default_device() == mx.gpu and cuda_available()
+    n = setting if setting is not None else LONG_CONTEXT if on_cuda else 0
     if context_window:
         n = min(n, context_window - NEXT_TURN - DECODE - 1)
     while n >= 1024 and not fits(n + NEXT_TURN + DECODE):
         n //= 2
     return n if n >= 1024 else 0
-
-
-def _cuda() -> bool:
-    return mx.default_device() == mx.gpu and not mx.metal.is_available()
 
 
 def warm_up_waves(
