@@ -5,6 +5,7 @@
 #
 #   benchmarks/profile_serving.sh MODEL_DIR OUT_DIR CONCURRENCY PROMPT_WORDS [server flags...]
 # (LOAD_ARGS: more load client flags, e.g. "--temperature 0.7 --top-p 0.9")
+# py-spy: here `pip install -e ".[profile]"`; on the lent GPU it comes with the wheels ($SITE).
 set -euo pipefail
 model=$1 out=$2 c=$3 words=$4; shift 4
 mkdir -p "$out"
