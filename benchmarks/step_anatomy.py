@@ -10,6 +10,8 @@ over every row, then the sampling pass), launched with ``mx.async_eval`` and wai
 steps after 3 of warm-up, and the primitives in one step's graph as ``mx.export_to_dot``
 writes them (MLX's own operations before its compiled functions fuse theirs: an upper bound
 on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on every row.
+``--formats auto,int8`` takes the same step apart over the quantized dense layout
+(``--kv-format``), whose attention reads codes through ``mx.quantized_matmul``.
 """
 
 from __future__ import annotations
@@ -37,14 +39,19 @@ def primitives(*outputs: object) -> int:
         return path.read_text().count("shape=rectangle")
 
 
-def anatomy(model: object, prompt: list[int], rows: int, traffic: str, steps: int) -> dict:
+def anatomy(
+    model: object, prompt: list[int], rows: int, traffic: str, steps: int, fmt: str = "auto"
+) -> dict:
     import mlx.core as mx
 
     from veloxquant_mlx.engine.request.sampling import BatchSampler, RowSampling
     from veloxquant_mlx.engine.types import SamplingParams
+    from veloxquant_mlx.kv.codec import parse
 
     _, layers, y = prefill(model, prompt)
-    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4)
+    k0 = layers[0][0]
+    codec = parse(fmt, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
+    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4, codec=codec)
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
@@ -69,7 +76,7 @@ def anatomy(model: object, prompt: list[int], rows: int, traffic: str, steps: in
         tokens, position = drawn.tokens, position + 1
     ms = {k: statistics.median(v) * 1e3 for k, v in (("build", build), ("launch", launch),
                                                       ("wait", wait))}  # fmt: skip
-    return {"rows": rows, "traffic": traffic, "ops": ops, **{f"{k}_ms": round(v, 3)
+    return {"rows": rows, "format": fmt, "traffic": traffic, "ops": ops, **{f"{k}_ms": round(v, 3)
             for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 3)}  # fmt: skip
 
 
@@ -81,6 +88,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=320, help="tokens in each row's KV")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--traffic", default="greedy,sampled")
+    p.add_argument("--formats", default="auto", help="KV formats (--kv-format), e.g. auto,int8")
     p.add_argument("--work", default="bench-work")
     a = p.parse_args()
     import mlx_lm
@@ -88,14 +96,16 @@ def main() -> None:
     path = write_model(Path(a.work) / f"model-{a.shape}", a.shape, a.dtype)
     model = mlx_lm.load(str(path))[0]
     prompt = [(7 * i) % 1000 + 3 for i in range(a.context)]
-    print("| rows | traffic | ops in the graph | build ms | launch ms | wait ms | step ms |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| rows | KV format | traffic | ops in the graph | build ms | launch ms | wait ms "
+          "| step ms |\n|---:|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
     for rows in (int(x) for x in a.rows.split(",")):
-        for traffic in a.traffic.split(","):
-            r = anatomy(model, prompt, rows, traffic, a.steps)
-            print(f"| {rows} | {traffic} | {r['ops']} | {r['build_ms']} | {r['launch_ms']} | "
-                  f"{r['wait_ms']} | {r['step_ms']} |", flush=True)  # fmt: skip
-            print(json.dumps(r), flush=True)
+        for fmt in a.formats.split(","):
+            for traffic in a.traffic.split(","):
+                r = anatomy(model, prompt, rows, traffic, a.steps, fmt)
+                cells = [rows, fmt, traffic, r["ops"], r["build_ms"], r["launch_ms"],
+                         r["wait_ms"], r["step_ms"]]  # fmt: skip
+                print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+                print(json.dumps(r), flush=True)
 
 
 if __name__ == "__main__":
