@@ -2,7 +2,7 @@
 # One device call that says where an agent workload's inter-token p99 and a restart's first
 # turn go on a GPU: the agent benchmark (ours only, --log-level debug) with its slow steps
 # summed by phase, and the restart benchmark with its servers' logs, with the warm-up's long
-# conversation (--warm-up-context, on by default on CUDA) and without it. Writes under OUT_DIR.
+# conversation (--warm-up-context 8192) and without it (the default). Writes under OUT_DIR.
 #
 #   benchmarks/gpu_agent_trace.sh OUT_DIR [SHAPE]    (SHAPE: 8b or 1b; default 8b)
 #
@@ -24,12 +24,12 @@ timeout 280 python3 -m benchmarks.agent_bench --model-path "$models/model-$shape
   --peers none --ours-args "--blas off --log-level debug" --logs "$out/agent-logs" \
   --out "$out/agent.md" > "$out/agent.txt" 2>&1 || echo "agent_bench: exit $?" >> "$out/agent.txt"
 python3 -m benchmarks.slow_steps "$out"/agent-logs/ours-*.log > "$out/slow-steps.md" 2>&1 || true
-# The restart with the warm-up's long conversation (the default on CUDA) and without it
-for ctx in default 0; do
-  extra=$([ "$ctx" = 0 ] && echo " --warm-up-context 0" || true)
-  timeout 130 python3 -m benchmarks.restart_bench --model-path "$models/model-1b" \
+# The restart with the defaults and with a long conversation in the warm-up
+for ctx in 0 8192; do
+  extra=$([ "$ctx" = 0 ] || echo " --warm-up-context $ctx")
+  timeout 200 python3 -m benchmarks.restart_bench --model-path "$models/model-1b" \
     --context-words 1800 --new-words 60 --repeats 2 --logs "$out/restart-logs-$ctx" \
     --ours-args "--blas off --kv-cache-mb 8192 --log-level debug$extra" \
     > "$out/restart-$ctx.txt" 2>&1 || echo "restart_bench: exit $?" >> "$out/restart-$ctx.txt"
 done
-cat "$out/agent.md" "$out/slow-steps.md" 2>/dev/null; tail -4 "$out"/restart-*.txt
+cat "$out/agent.md" "$out/slow-steps.md" 2>/dev/null; tail -n 4 "$out"/restart-*.txt

@@ -33,7 +33,7 @@ class EngineConfig:
     # request pays a kernel compile: "on", "off", or "auto" (on a GPU). Not in a group (the
     # ranks step together from rank 0).
     warm_up: str = "auto"
-    warm_up_context: int | None = None  # None: warmup.LONG_CONTEXT on CUDA, else 0
+    warm_up_context: int = 0  # tokens of the warm-up's long conversation (0: none)
     # Seconds between deliveries of one request's tokens (the first token goes at once): each
     # delivery wakes the consumer's thread, which on a small CPU competes with decoding.
     stream_interval: float = 0.025

@@ -22,17 +22,12 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
-from veloxquant_mlx.kv.attention import cuda_available
 
 # Request ids of the warm-up, above any a host hands out (they are the pool's owners).
 WARM_UP_ID = 1 << 62
 PROMPT = 8  # tokens of a decode wave's prompts
 DECODE = 3  # tokens each request generates
 RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
-# Tokens of the long conversation on CUDA (``long_context``): MLX builds kernels per process
-# for the variants long rows take (reductions and softmax over thousands of keys, copies of
-# large working sets), which short prompts never meet
-LONG_CONTEXT = 8192
 NEXT_TURN = 64  # tokens the long conversation's second turn adds
 
 
@@ -46,14 +41,13 @@ def wanted(mode: str) -> bool:
     return mode == "on"
 
 
-def long_context(
-    setting: int | None, context_window: int | None, fits: Callable[[int], bool]
-) -> int:
-    """Tokens of the warm-up's long conversation: ``setting`` (None: ``LONG_CONTEXT`` on CUDA,
-    0 elsewhere), at most the context window less its second turn and what ``fits(n)`` (a
-    request of n tokens fits the pool alone) allows, halving; 0 below a few chunks' worth."""
-    on_cuda = mx.default_device() == mx.gpu and cuda_available()
-    n = setting if setting is not None else LONG_CONTEXT if on_cuda else 0
+def long_context(setting: int, context_window: int | None, fits: Callable[[int], bool]) -> int:
+    """Tokens of the warm-up's long conversation (``--warm-up-context``, off by default: on an
+    H200 it cost an 8B server ~55 s of start and did not make a restarted first turn faster;
+    DESIGN-NOTES.md): ``setting``, at most the context window less its second turn and what
+    ``fits(n)`` (a request of n tokens fits the pool alone) allows, halving; 0 below a few
+    chunks' worth."""
+    n = setting
     if context_window:
         n = min(n, context_window - NEXT_TURN - DECODE - 1)
     while n >= 1024 and not fits(n + NEXT_TURN + DECODE):
