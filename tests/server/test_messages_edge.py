@@ -33,3 +33,45 @@ async def test_x_api_key_is_the_api_key_and_errors_take_anthropics_shape(client_
     missing = await client.get("/v1/messages/nothing", headers={"x-api-key": "sk-messages-1"})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     await wait_idle(client.engine)  # type: ignore[attr-defined]
+
+
+async def test_a_text_document_is_read_as_text_and_media_blocks_are_refused_by_name(client_for):
+    client = await client_for()
+    text = "The meeting is on Tuesday."
+
+    def body(*blocks: dict) -> dict:
+        return {"model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": list(blocks)}]}  # fmt: skip
+
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": text}}
+    as_doc = await client.post("/v1/messages/count_tokens", json=body(doc))
+    as_text = await client.post(
+        "/v1/messages/count_tokens", json=body({"type": "text", "text": text})
+    )
+    assert as_doc.status_code == 200, as_doc.text
+    assert as_doc.json() == as_text.json()
+    ok = await client.post("/v1/messages", json=body(doc, {"type": "text", "text": "When?"}))
+    assert ok.status_code == 200, ok.text
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+    }
+    pdf = {"type": "document", "source": {**image["source"], "media_type": "application/pdf"}}
+    call = {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [image]}
+    tool_turn = [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    for payload, named in (
+        (body(image), "'image' content blocks are not supported"),
+        (body(pdf), "'application/pdf' is not supported"),
+        ({"model": MODEL, "max_tokens": 2, "messages": tool_turn}, "'image' content blocks"),
+    ):
+        r = await client.post("/v1/messages", json=payload)
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert named in r.json()["error"]["message"], r.json()
+    await wait_idle(client.engine)  # type: ignore[attr-defined]

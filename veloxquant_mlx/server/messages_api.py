@@ -8,6 +8,8 @@ order); ``tools`` (``input_schema``) functions; ``tool_choice`` auto / any / too
 chat's "auto" / "required" / a named function / "none". So the same template, grammars (a
 forced call for ``any`` and ``tool``), batching and prefix cache serve it. ``cache_control``,
 ``metadata`` and ``thinking`` are accepted and have no effect (the prefix cache is automatic).
+A plain-text ``document`` block is its text; images, PDFs and other media are refused with a
+400 that names the block (the models served here read text).
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, KVFormat
 
@@ -61,6 +71,40 @@ class TextBlock(_Block):
     text: StrictStr
 
 
+class DocumentBlock(_Block):
+    """A document given as plain text (``source.type`` "text"): read as its text."""
+
+    type: Literal["document"]
+    source: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _plain_text(self) -> DocumentBlock:
+        if self.source.get("type") != "text" or not isinstance(self.source.get("data"), str):
+            kind = self.source.get("media_type") or self.source.get("type")
+            raise ValueError(
+                f"a document of source {kind!r} is not supported: this server reads text "
+                "(send the document as a text block, or a document with source type 'text')"
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        return str(self.source["data"])
+
+
+class MediaBlock(_Block):
+    """An image (or another medium) the models served here cannot read: refused by name."""
+
+    type: Literal["image", "search_result", "container_upload"]
+
+    @model_validator(mode="after")
+    def _refused(self) -> MediaBlock:
+        raise ValueError(
+            f"'{self.type}' content blocks are not supported: this server serves text-only "
+            "models (send text blocks)"
+        )
+
+
 class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: StrictStr
@@ -71,7 +115,10 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
-    content: StrictStr | list[TextBlock] = ""
+    content: (
+        StrictStr
+        | list[Annotated[TextBlock | DocumentBlock | MediaBlock, Field(discriminator="type")]]
+    ) = ""
     is_error: StrictBool | None = None
 
 
@@ -82,7 +129,8 @@ class ThinkingBlock(_Block):
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+    TextBlock | DocumentBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 
@@ -133,7 +181,7 @@ class CountTokensRequest(BaseModel):
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(b.text for b in content if isinstance(b, TextBlock))
+    return "".join(b.text for b in content if isinstance(b, (TextBlock, DocumentBlock)))
 
 
 def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
