@@ -173,7 +173,7 @@ def test_saved_answers_are_read_back_and_a_bad_file_is_skipped_in_one_line(
     store = AnswerTokens(4)
     prompt = render(tok, [SYSTEM, {"role": "user", "content": "hi"}])
     shown = answer(store, tok, prompt, [1026, 1026, 31, 809])
-    assert store.save(str(tmp_path)) == 1 and (tmp_path / FILE).exists()
+    assert store.save(str(tmp_path), 2048) == 1 and (tmp_path / FILE).exists()
     assert not list(tmp_path.glob("*.tmp"))
 
     again = AnswerTokens(4)
@@ -214,8 +214,34 @@ def test_load_keeps_the_newest_up_to_capacity(default_model, tmp_path):
     store = AnswerTokens(8)
     for word in "abcde":
         answer(store, tok, render(tok, [{"role": "user", "content": word}]), [1026])
-    store.save(str(tmp_path))
+    store.save(str(tmp_path), 2048)
     small = AnswerTokens(2)
     assert small.load(str(tmp_path), 2048) == 2
     kept = list(small._turns)
     assert [k for k in store._turns][-2:] == kept
+
+
+def test_servers_sharing_a_directory_merge_their_answers_newest_last(default_model, tmp_path):
+    import json
+
+    from veloxquant_mlx.server.answers import FILE
+
+    _, tok = default_model
+    one, two = AnswerTokens(3), AnswerTokens(3)
+    for word in "ab":
+        answer(one, tok, render(tok, [{"role": "user", "content": word}]), [1026])
+    for word in "cd":
+        answer(two, tok, render(tok, [{"role": "user", "content": word}]), [31])
+    assert one.save(str(tmp_path), 2048) == 2
+    assert two.save(str(tmp_path), 2048) == 3  # one's two, then its own two: the newest 3
+    both = AnswerTokens(3)
+    assert both.load(str(tmp_path), 2048) == 3
+    assert list(both._turns) == [*list(one._turns)[1:], *two._turns]
+    # A turn both hold is written once, where the writer has it (its newest place).
+    assert one.save(str(tmp_path), 2048) == 3
+    keys = [t[0] for t in json.loads((tmp_path / FILE).read_text())["turns"]]
+    assert len(keys) == len(set(keys)) == 3 and keys[-2:] == list(one._turns)
+    # A file another writer left broken is replaced, not merged.
+    (tmp_path / FILE).write_text("{")
+    assert two.save(str(tmp_path), 2048) == 2
+    assert not list(tmp_path.glob("*.tmp"))

@@ -23,7 +23,8 @@ With ``--prefix-cache-dir`` the remembered answers survive a restart with the pa
 at a clean stop (``save``, ``answers.json`` in the disk tier's directory for the model, which
 its files key), read at start (``load``), so the first turn after a restart hits through the
 answer it resends, as it would have before. A file that cannot be read is skipped with one log
-line.
+line. Servers sharing the directory (replicas of one model) each merge their answers into what
+the file holds when they write it, newest last, so one stopping does not drop another's.
 """
 
 from __future__ import annotations
@@ -141,20 +142,32 @@ class AnswerTokens:
                 while len(self._calls) > CALLS_PER_TURN * self.capacity:
                     self._calls.popitem(last=False)
 
-    def save(self, directory: str) -> int:
-        """Write the remembered answers to ``directory``/``FILE`` (replacing it whole: a
-        temporary file, then a rename). Returns how many; a failure is logged, not raised."""
+    def save(self, directory: str, vocab_size: int) -> int:
+        """Write the remembered answers to ``directory``/``FILE`` after those the file holds
+        that this server does not (another server's on the same directory, checked as ``load``
+        checks them; a file that fails a check is replaced), the newest ``capacity`` of them
+        all. Replaces the file whole: a temporary file of this process, then a rename. Returns
+        how many turns it holds; a failure is logged, not raised."""
+        path = os.path.join(directory, FILE)
+        theirs, their_calls = self._read(path, vocab_size) or ([], [])
         with self._lock:
-            turns = [
+            ours = [
                 [key, list(t.prompt_ids), list(t.answer_ids), t.answer_text]
                 for key, t in self._turns.items()
             ]
-            calls = list(self._calls.items())
-        path = os.path.join(directory, FILE)
+            our_calls = list(self._calls.items())
+        kept = {entry[0] for entry in ours}
+        older = [[k, list(t.prompt_ids), list(t.answer_ids), t.answer_text]
+                 for k, t in theirs if k not in kept]  # fmt: skip
+        turns = (older + ours)[-self.capacity :] if self.capacity else []
+        bases = {base for base, _ in our_calls}
+        calls = [c for c in their_calls if c[0] not in bases] + our_calls
+        calls = calls[-CALLS_PER_TURN * self.capacity :] if self.capacity else []
+        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
+            with open(tmp, "w", encoding="utf-8") as f:
                 json.dump({"version": VERSION, "turns": turns, "calls": calls}, f)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
         except OSError as exc:
             log.warning("remembered answers not written to %s: %s", path, exc)
             return 0
@@ -167,6 +180,23 @@ class AnswerTokens:
         path = os.path.join(directory, FILE)
         if not self.capacity or not os.path.exists(path):
             return 0
+        read = self._read(path, vocab_size, warn=True)
+        if read is None:
+            return 0
+        turns, calls = read
+        with self._lock:
+            for key, turn in turns[-self.capacity :]:
+                self._turns[key] = turn
+            for base, text in calls[-CALLS_PER_TURN * self.capacity :]:
+                self._calls[base] = text
+        return min(len(turns), self.capacity)
+
+    @staticmethod
+    def _read(
+        path: str, vocab_size: int, warn: bool = False
+    ) -> tuple[list[tuple[str, Turn]], list[tuple[str, str]]] | None:
+        """The turns and tool-call texts ``save`` wrote to ``path``, every one checked; None
+        when there is no such file or it fails a check (one log line with ``warn``)."""
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -174,15 +204,13 @@ class AnswerTokens:
                 raise ValueError(f"version {data.get('version')!r}, not {VERSION}")
             turns = [_turn(entry, vocab_size) for entry in data["turns"]]
             calls = [(str(base), str(text)) for base, text in data["calls"]]
+        except FileNotFoundError:
+            return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("remembered answers in %s skipped: %s", path, exc)
-            return 0
-        with self._lock:
-            for key, turn in turns[-self.capacity :]:
-                self._turns[key] = turn
-            for base, text in calls[-CALLS_PER_TURN * self.capacity :]:
-                self._calls[base] = text
-        return min(len(turns), self.capacity)
+            if warn:
+                log.warning("remembered answers in %s skipped: %s", path, exc)
+            return None
+        return turns, calls
 
     def _longest(self, text: str) -> tuple[str | None, Turn | None]:
         """The remembered turn whose prompt + answer ``text`` starts with, the longest."""

@@ -131,8 +131,9 @@ def create_app(
             answers=AnswerTokens(settings.resent_answers, metrics.resent_answers.inc),
         )
         disk_dir = eng.info.disk_dir if eng.info is not None else None
+        vocab = eng.vocab_size
         if disk_dir is not None:
-            n = await asyncio.to_thread(app.state.vq.answers.load, disk_dir, eng.vocab_size)
+            n = await asyncio.to_thread(app.state.vq.answers.load, disk_dir, vocab)
             log.info("remembered answers: %d read from the prefix cache's directory", n)
         joining = None
         if settings.register_with:
@@ -159,7 +160,7 @@ def create_app(
             if own:
                 await asyncio.to_thread(eng.shutdown, settings.drain_timeout)
             if disk_dir is not None:
-                n = await asyncio.to_thread(app.state.vq.answers.save, disk_dir)
+                n = await asyncio.to_thread(app.state.vq.answers.save, disk_dir, vocab)
                 log.info("remembered answers: %d written to the prefix cache's directory", n)
 
     app = FastAPI(
