@@ -35,7 +35,7 @@ def turn(engine: Engine, prompt: list[int], n: int = 12) -> tuple[list[int], int
 
 
 def files(path) -> list:
-    """The page files (not one being written: ``<digest>.tmp.safetensors``)."""
+    """The page files (not one being written: ``<digest>.<pid>.tmp.safetensors``)."""
     return sorted(f for f in path.rglob("*.safetensors") if not f.stem.endswith(".tmp"))
 
 
@@ -77,6 +77,29 @@ def test_files_a_crash_left_mid_write_are_not_pages_and_old_ones_are_removed(mak
     restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
     assert restarted.stats().prefix_disk_pages == len(pages)
     assert fresh.exists() and not stale.exists()  # another server's write may be in progress
+
+
+def test_a_page_is_written_under_a_name_of_this_process_then_renamed(
+    make_engine, tmp_path, monkeypatch
+):
+    """Servers sharing the directory may write one page at once: each writes its own
+    temporary file, so neither renames the other's half-written bytes."""
+    written: list[str] = []
+    save = mx.save_safetensors
+
+    def recorded(path, *args, **kwargs):
+        written.append(os.path.basename(path))
+        return save(path, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "save_safetensors", recorded)
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    turn(engine, words(random.Random(12), 40), 4)
+    engine.shutdown(5)
+    assert len(written) == 40 // BS
+    assert all(name.endswith(f".{os.getpid()}.tmp.safetensors") for name in written), written
+    assert [f.name for f in files(tmp_path)] == sorted(n.split(".")[0] + ".safetensors"
+                                                       for n in written)  # fmt: skip
+    assert not list(tmp_path.rglob("*.tmp.safetensors"))
 
 
 def test_writes_that_fail_are_dropped_with_one_log_line(make_engine, tmp_path, caplog):

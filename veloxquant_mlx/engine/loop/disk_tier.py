@@ -53,7 +53,7 @@ from veloxquant_mlx.kv.codec import copy_span, join_spans
 log = logging.getLogger("veloxquant.engine")
 
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
-TMP = ".tmp"  # a file being written is "<digest>.tmp.safetensors" until it is complete
+TMP = ".tmp"  # a file being written is "<digest>.<pid>.tmp.safetensors" until it is complete
 WARN_EVERY_S = 60.0  # failed writes are logged at most this often
 STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
 
@@ -290,7 +290,8 @@ class DiskTier:
 
     def _write_file(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
         path = self.dir / (name + SUFFIX)
-        tmp = path.with_suffix(TMP + SUFFIX)
+        # this process's own temporary name: two servers on one directory may write one page
+        tmp = self.dir / f"{name}.{os.getpid()}{TMP}{SUFFIX}"
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
         meta["crc"] = crcs([arrays])[0]  # waits for the arrays' evaluation
         try:
