@@ -100,6 +100,14 @@ def test_tools_required_gives_function_call_items(tool_server):
         ],
     )  # fmt: skip
     assert follow.status in ("completed", "incomplete")
+    # The same turn by previous_response_id: the stored call continues with its output.
+    chained = client.responses.create(
+        model=MODEL, tools=[fn], max_output_tokens=4, temperature=0, previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "21C"}],
+    )  # fmt: skip
+    assert chained.previous_response_id == r.id
+    assert chained.usage.input_tokens == follow.usage.input_tokens
+    assert chained.output_text == follow.output_text
     stream = client.responses.create(
         model=MODEL, input="weather?", tools=[fn], tool_choice="required",
         max_output_tokens=80, parallel_tool_calls=False, stream=True,
@@ -111,7 +119,7 @@ def test_tools_required_gives_function_call_items(tool_server):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),  # never stored
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
@@ -123,3 +131,65 @@ def test_what_is_not_supported_is_400(oai, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(**body)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_previous_response_id_continues_a_stored_conversation(oai):
+    first = oai.responses.create(
+        model=MODEL, instructions="Be brief.", input="My name is Ada.", max_output_tokens=6,
+        temperature=0,
+    )  # fmt: skip
+    assert first.store is True and first.previous_response_id is None
+    second = oai.responses.create(
+        model=MODEL, previous_response_id=first.id, input="What is my name?",
+        max_output_tokens=6, temperature=0,
+    )  # fmt: skip
+    # The same as sending the conversation whole; the first turn's instructions are not
+    # carried over (the API's rule).
+    whole = oai.responses.create(
+        model=MODEL, store=False, max_output_tokens=6, temperature=0,
+        input=[
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert second.output_text == whole.output_text
+    # A third turn walks the chain of two.
+    third = oai.responses.create(
+        model=MODEL, previous_response_id=second.id, input="Thanks.", max_output_tokens=2,
+        temperature=0,
+    )  # fmt: skip
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert third.usage.input_tokens_details.cached_tokens >= 32  # second's prompt, cached
+    # Stored responses are returned and can be deleted; a deleted or unstored one cannot be
+    # continued.
+    got = oai.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    for gone in (first.id, whole.id):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.responses.create(model=MODEL, previous_response_id=gone, input="x")
+        assert info.value.body["code"] == "previous_response_not_found"
+        assert info.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as info:  # second continued the deleted first
+        oai.responses.create(model=MODEL, previous_response_id=second.id, input="x")
+    assert "no longer stored" in info.value.body["message"]
+
+
+def test_a_streamed_response_is_stored_when_it_completes(oai):
+    events = list(
+        oai.responses.create(
+            model=MODEL, input="stream please", max_output_tokens=5, temperature=0, stream=True
+        )
+    )
+    final = events[-1].response
+    assert events[0].response.store is True and final.store is True
+    assert oai.responses.retrieve(final.id).output_text == final.output_text
+    after = oai.responses.create(
+        model=MODEL, previous_response_id=final.id, input="more", max_output_tokens=2
+    )
+    assert after.usage.input_tokens > final.usage.input_tokens

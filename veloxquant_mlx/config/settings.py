@@ -189,6 +189,14 @@ class Settings(BaseSettings):
         "(re-encoding an answer's text need not give back its tokens); with "
         "--prefix-cache-dir they are kept there across a clean restart; 0: off.",
     )
+    responses_store: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description="Keep this many Responses API responses in memory (those created with "
+        "store, the API's default), so a request can continue one by previous_response_id "
+        "and GET /v1/responses/{id} returns it; the oldest are dropped; per process; 0: none.",
+    )
     prefix_cache_dir: str | None = Field(
         None,
         description="Keep the prefix cache's pages on disk here too (written as they leave "

@@ -29,6 +29,7 @@ from veloxquant_mlx.server.deps import AppState
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.middleware import AuthGate, BodyGuard, CORSExceptAdmin, RequestId
 from veloxquant_mlx.server.registration import Registration
+from veloxquant_mlx.server.response_store import ResponseStore
 
 log = logging.getLogger("veloxquant.server")
 
@@ -129,6 +130,7 @@ def create_app(
             metrics,
             name,
             answers=AnswerTokens(settings.resent_answers, metrics.resent_answers.inc),
+            responses=ResponseStore(settings.responses_store),
         )
         disk_dir = eng.info.disk_dir if eng.info is not None else None
         vocab = eng.vocab_size

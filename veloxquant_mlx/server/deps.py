@@ -15,6 +15,7 @@ from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.metrics import Metrics
 from veloxquant_mlx.server.rates import RateWindow
 from veloxquant_mlx.server.registration import Registration
+from veloxquant_mlx.server.response_store import ResponseStore
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class AppState:
     registration: Registration | None = None  # --register-with
     rate: RateWindow = field(default_factory=RateWindow)  # generated tokens/s (/v1/loads)
     answers: AnswerTokens = field(default_factory=AnswerTokens)  # --resent-answers
+    responses: ResponseStore = field(default_factory=ResponseStore)  # --responses-store
     started: int = field(default_factory=lambda: int(time.time()))  # unix time, for /v1/models
 
 

@@ -47,6 +47,7 @@ ERROR_CODES: dict[str, tuple[int, ...]] = {
     "invalid_request": (400,),
     "context_length_exceeded": (400,),
     "unsupported_value": (400,),
+    "previous_response_not_found": (400,),
     "invalid_api_key": (401,),
     "model_not_found": (404,),
     "not_found": (404,),

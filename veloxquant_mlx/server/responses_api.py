@@ -1,7 +1,7 @@
 """The Responses API request, and its translation to a chat request (one path to the engine).
 
-Stateless: nothing is stored, so ``previous_response_id`` is refused (400) and ``store`` changes
-nothing. Text input only.
+``previous_response_id`` continues a stored response's conversation (``response_store``): the
+route passes its messages as ``earlier``. Text input only.
 """
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, code="invalid_value", param=param)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (its ``instructions`` not among them).
+
+    Raises:
+        APIError: 400 for an item this server does not read.
+    """
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         kind = item.get("type", "message")
         where = f"input.{i}"
@@ -130,21 +133,39 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that does what ``req`` asks.
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a next turn resends: its text and tool
+    calls as one assistant message (reasoning is not resent, as chat templates drop it)."""
+    text = "".join(
+        part.get("text", "")
+        for item in output
+        if item.get("type") == "message"
+        for part in item.get("content") or ()
+    )
+    calls = [
+        {"id": item["call_id"], "type": "function",
+         "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output if item.get("type") == "function_call"
+    ]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def to_chat(
+    req: ResponsesRequest, earlier: list[dict[str, Any]] | None = None
+) -> ChatCompletionRequest:
+    """The chat request that does what ``req`` asks; ``earlier``: the messages of the
+    conversation ``previous_response_id`` continues (after this request's instructions).
 
     Raises:
         APIError: 400 for what the Responses API allows and this server does not do.
     """
-    if req.previous_response_id is not None:
-        raise _bad(
-            "previous_response_id is not supported: this server stores no responses; send the "
-            "whole conversation in input",
-            "previous_response_id",
-        )
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req),
+        "messages": [*system, *(earlier or ()), *input_messages(req)],
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

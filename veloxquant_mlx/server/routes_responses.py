@@ -18,7 +18,12 @@ from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_finish
 from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
 from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
-from veloxquant_mlx.server.responses_api import ResponsesRequest, to_chat
+from veloxquant_mlx.server.responses_api import (
+    ResponsesRequest,
+    input_messages,
+    output_messages,
+    to_chat,
+)
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.tools import ToolCallSplitter
@@ -42,6 +47,7 @@ class Built:
 
     req: ResponsesRequest
     model: str
+    stored: bool = False  # kept for previous_response_id (``store`` and --responses-store)
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -99,8 +105,8 @@ class Built:
             "model": self.model,
             "output": self.output,
             "parallel_tool_calls": req.parallel_tool_calls,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": req.previous_response_id,
+            "store": self.stored,
             "temperature": req.temperature,
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
@@ -112,17 +118,54 @@ class Built:
         }
 
 
+def _earlier(st: AppState, req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """The conversation ``previous_response_id`` continues, as chat messages."""
+    if req.previous_response_id is None:
+        return None
+    if not st.responses.capacity:
+        message = "responses are not stored here (--responses-store 0); send the conversation"
+        raise APIError(400, message, code="previous_response_not_found",
+                       param="previous_response_id")  # fmt: skip
+    try:
+        return st.responses.conversation(req.previous_response_id)
+    except KeyError as exc:
+        raise APIError(400, str(exc.args[0]), code="previous_response_not_found",
+                       param="previous_response_id") from None  # fmt: skip
+
+
+def _store(st: AppState, built: Built, result: dict[str, Any]) -> None:
+    """Keep a finished response for ``previous_response_id``, if it is to be stored."""
+    if built.stored:
+        turn = [*input_messages(built.req), *output_messages(built.output)]
+        st.responses.put(result, turn, built.req.previous_response_id)
+
+
+@router.get("/responses/{response_id}", response_model=None)
+async def get_response(response_id: str, request: Request) -> Any:
+    found = state(request).responses.get(response_id)
+    if found is None:
+        raise APIError(404, f"no stored response '{response_id}'", code="not_found")
+    return found
+
+
+@router.delete("/responses/{response_id}", response_model=None)
+async def delete_response(response_id: str, request: Request) -> Any:
+    if not state(request).responses.delete(response_id):
+        raise APIError(404, f"no stored response '{response_id}'", code="not_found")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
 @router.post("/responses", response_model=None)
 async def responses(req: ResponsesRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
-    body = to_chat(req)
+    body = to_chat(req, _earlier(st, req))
     try:
         prepared = await prepare_chat(st, body)
     except APIError as exc:
         exc.param = _RESPONSES_PARAM.get(exc.param or "", exc.param)
         raise
-    built = Built(req, st.model_name)
+    built = Built(req, st.model_name, stored=req.store is not False and st.responses.capacity > 0)
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     reasoner = prepared.reasoners[0]
     if req.stream:
@@ -142,7 +185,9 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     if text or not calls:
         built.output.append(built.message_item(text, "completed"))
     built.output += [built.call_item(c) for c in calls]
-    return built.json("completed", outcome.finish)
+    result = built.json("completed", outcome.finish)
+    _store(st, built, result)
+    return result
 
 
 async def _events(
@@ -283,8 +328,10 @@ async def _events(
                         content_index=0, part=part)  # fmt: skip
             yield event("response.output_item.done", output_index=index, item=message)
         status = "completed"
+        result = built.json(status, finish)
+        _store(st, built, result)
         yield event(f"response.{'incomplete' if finish.finish_reason == 'length' else status}",
-                    response=built.json(status, finish))  # fmt: skip
+                    response=result)  # fmt: skip
     finally:
         if not handle.done:
             st.engine.cancel(handle)
