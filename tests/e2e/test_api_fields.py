@@ -73,6 +73,9 @@ def test_request_ids_are_echoed_or_made(server):
             "messages.0.content",
             "only text content parts are supported",
         ),
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions",
+         "deprecated function calling) is not supported: send tools"),
+        ({"function_call": {"name": "f"}}, "function_call", "send tools and tool_choice"),
     ],
 )  # fmt: skip
 def test_messages_name_the_real_problem(oai, extra, param, words):
@@ -81,6 +84,14 @@ def test_messages_name_the_real_problem(oai, extra, param, words):
         oai.chat.completions.create(**body)
     err = info.value.body
     assert err["param"] == param and words in err["message"], err
+
+
+def test_legacy_function_fields_that_ask_for_nothing_pass(oai):
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        functions=[], function_call="none",
+    )  # fmt: skip
+    assert r.choices[0].message.content is not None
 
 
 def test_context_overflow_is_worded_as_openai_does(oai):
@@ -145,6 +156,7 @@ def test_streamed_choices_are_each_complete(oai):
     stream = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6, n=3,
         temperature=1.0, stream=True, stream_options={"include_usage": True},
+        logit_bias={"2": -100},  # no sampled EOS: each choice runs to its length
     )  # fmt: skip
     chunks = list(stream)
     texts: dict[int, str] = {}

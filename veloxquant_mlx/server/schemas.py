@@ -217,6 +217,20 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool = True
     # Extra variables for the chat template (vLLM's and SGLang's name), e.g. enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's deprecated function calling: refused (a client relying on it would otherwise get
+    # text where it expects a call), not ignored; "none" / empty asks for nothing and passes.
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none"):
+            raise ValueError(
+                f"{info.field_name} (OpenAI's deprecated function calling) is not supported: "
+                "send tools and tool_choice"
+            )
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod
