@@ -245,3 +245,5 @@ def test_servers_sharing_a_directory_merge_their_answers_newest_last(default_mod
     (tmp_path / FILE).write_text("{")
     assert two.save(str(tmp_path), 2048) == 2
     assert not list(tmp_path.glob("*.tmp"))
+    assert AnswerTokens(0).save(str(tmp_path), 2048) == 0  # off: another's file is left alone
+    assert len(json.loads((tmp_path / FILE).read_text())["turns"]) == 2

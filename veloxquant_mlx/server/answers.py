@@ -34,9 +34,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 
@@ -46,6 +46,8 @@ FILE = "answers.json"  # in the disk tier's directory (``EngineInfo.disk_dir``)
 VERSION = 1
 
 log = logging.getLogger("veloxquant.server")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(slots=True)
@@ -147,22 +149,17 @@ class AnswerTokens:
         that this server does not (another server's on the same directory, checked as ``load``
         checks them; a file that fails a check is replaced), the newest ``capacity`` of them
         all. Replaces the file whole: a temporary file of this process, then a rename. Returns
-        how many turns it holds; a failure is logged, not raised."""
+        how many turns it holds; a failure is logged, not raised. With ``capacity`` 0 nothing
+        is written (the file stays as other servers left it)."""
+        if not self.capacity:
+            return 0
         path = os.path.join(directory, FILE)
         theirs, their_calls = self._read(path, vocab_size) or ([], [])
         with self._lock:
-            ours = [
-                [key, list(t.prompt_ids), list(t.answer_ids), t.answer_text]
-                for key, t in self._turns.items()
-            ]
-            our_calls = list(self._calls.items())
-        kept = {entry[0] for entry in ours}
-        older = [[k, list(t.prompt_ids), list(t.answer_ids), t.answer_text]
-                 for k, t in theirs if k not in kept]  # fmt: skip
-        turns = (older + ours)[-self.capacity :] if self.capacity else []
-        bases = {base for base, _ in our_calls}
-        calls = [c for c in their_calls if c[0] not in bases] + our_calls
-        calls = calls[-CALLS_PER_TURN * self.capacity :] if self.capacity else []
+            merged = _newest_last(theirs, self._turns.items())[-self.capacity :]
+            calls = _newest_last(their_calls, self._calls.items())
+        turns = [[k, list(t.prompt_ids), list(t.answer_ids), t.answer_text] for k, t in merged]
+        calls = calls[-CALLS_PER_TURN * self.capacity :]
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -177,10 +174,9 @@ class AnswerTokens:
         """Remember the answers ``save`` wrote to ``directory`` (the newest ``capacity``), whose
         ids must be below ``vocab_size``. Returns how many; a missing file is none, one that
         cannot be read or checked is logged and skipped whole."""
-        path = os.path.join(directory, FILE)
-        if not self.capacity or not os.path.exists(path):
+        if not self.capacity:
             return 0
-        read = self._read(path, vocab_size, warn=True)
+        read = self._read(os.path.join(directory, FILE), vocab_size, warn=True)
         if read is None:
             return 0
         turns, calls = read
@@ -253,6 +249,15 @@ class Answer:
         whole = event.finish_reason in ("stop", "length") and event.stop_string is None
         if whole and self.ids:
             self.store.remember(self)
+
+
+def _newest_last(older: Iterable[tuple[K, V]], newer: Iterable[tuple[K, V]]) -> list[tuple[K, V]]:
+    """``older``'s entries then ``newer``'s, a key in both once, at its place in ``newer``."""
+    out: OrderedDict[K, V] = OrderedDict(older)
+    for key, value in newer:
+        out.pop(key, None)
+        out[key] = value
+    return list(out.items())
 
 
 def _turn(entry: Any, vocab_size: int) -> tuple[str, Turn]:

@@ -1,7 +1,7 @@
 """The Responses API request, and its translation to a chat request (one path to the engine).
 
 ``previous_response_id`` continues a stored response's conversation (``response_store``): the
-route passes its messages as ``earlier``. Text input only.
+route passes its messages before the request's own. Text input only.
 """
 
 from __future__ import annotations
@@ -154,10 +154,11 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def to_chat(
-    req: ResponsesRequest, earlier: list[dict[str, Any]] | None = None
+    req: ResponsesRequest, conversation: list[dict[str, Any]] | None = None
 ) -> ChatCompletionRequest:
-    """The chat request that does what ``req`` asks; ``earlier``: the messages of the
-    conversation ``previous_response_id`` continues (after this request's instructions).
+    """The chat request that does what ``req`` asks; ``conversation``: its messages after
+    its instructions (default: its input's, ``input_messages``; a continued conversation's
+    come first).
 
     Raises:
         APIError: 400 for what the Responses API allows and this server does not do.
@@ -165,7 +166,7 @@ def to_chat(
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": [*system, *(earlier or ()), *input_messages(req)],
+        "messages": [*system, *(input_messages(req) if conversation is None else conversation)],
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -48,6 +48,7 @@ class Built:
     req: ResponsesRequest
     model: str
     stored: bool = False  # kept for previous_response_id (``store`` and --responses-store)
+    inputs: list[dict[str, Any]] = field(default_factory=list)  # its input as chat messages
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -136,7 +137,7 @@ def _earlier(st: AppState, req: ResponsesRequest) -> list[dict[str, Any]] | None
 def _store(st: AppState, built: Built, result: dict[str, Any]) -> None:
     """Keep a finished response for ``previous_response_id``, if it is to be stored."""
     if built.stored:
-        turn = [*input_messages(built.req), *output_messages(built.output)]
+        turn = [*built.inputs, *output_messages(built.output)]
         st.responses.put(result, turn, built.req.previous_response_id)
 
 
@@ -159,13 +160,15 @@ async def delete_response(response_id: str, request: Request) -> Any:
 async def responses(req: ResponsesRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
-    body = to_chat(req, _earlier(st, req))
+    inputs = input_messages(req)
+    body = to_chat(req, [*(_earlier(st, req) or ()), *inputs])
     try:
         prepared = await prepare_chat(st, body)
     except APIError as exc:
         exc.param = _RESPONSES_PARAM.get(exc.param or "", exc.param)
         raise
-    built = Built(req, st.model_name, stored=req.store is not False and st.responses.capacity > 0)
+    stored = req.store is not False and st.responses.capacity > 0
+    built = Built(req, st.model_name, stored, inputs)
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     reasoner = prepared.reasoners[0]
     if req.stream:
