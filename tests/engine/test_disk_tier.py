@@ -39,7 +39,7 @@ def files(path) -> list:
     return sorted(f for f in path.rglob("*.safetensors") if not f.stem.endswith(".tmp"))
 
 
-def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp_path):
+def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp_path, caplog):
     rng = random.Random(3)
     prompt = words(rng, 70)
     first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
@@ -48,8 +48,11 @@ def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp
     assert len(files(tmp_path)) == (70 + 30) // BS
     turn_two = prompt + answer + words(rng, 9)
     restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
-    got, cached = turn(restarted, turn_two)
+    with caplog.at_level(logging.DEBUG, logger="veloxquant.engine"):
+        got, cached = turn(restarted, turn_two)
     assert cached == (70 + 30) // BS * BS
+    reads = [r.getMessage() for r in caplog.records if "read" in r.getMessage()]
+    assert any(f"read {(70 + 30) // BS} page(s) from page 0 in" in m for m in reads), reads
     stats = restarted.stats()
     assert stats.prefix_disk and stats.prefix_disk_hits_total == (70 + 30) // BS
     assert stats.prefix_disk_pages == (70 + 30) // BS and stats.prefix_disk_skipped_total == 0

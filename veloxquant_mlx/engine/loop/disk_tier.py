@@ -222,6 +222,15 @@ class DiskTier:
     # ------------------------------------------------------------------ reader thread
 
     def _read_run(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
+        t0 = time.perf_counter()
+        run = self._collect(tokens, first, parent, limit, bs)
+        log.debug(
+            "prefix cache on disk: read %d page(s) from page %d in %.0f ms",
+            run.n_pages, first, (time.perf_counter() - t0) * 1000,
+        )  # fmt: skip
+        return run
+
+    def _collect(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
         run = Run(first, 0, [])
         files: list[dict[str, np.ndarray]] = []  # consecutive pages read, not yet joined
 
