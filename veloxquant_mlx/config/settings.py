@@ -160,6 +160,12 @@ class Settings(BaseSettings):
         "seen by the prompt and is dropped after): CUDA plans every product per shape, ~5 ms "
         "the first time; unset: 64 on CUDA, 0 (no padding) elsewhere.",
     )
+    prefill_stream: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run prefill forwards on an MLX stream of their own, so a decode step does "
+        "not queue behind a prompt's chunk on the device: on, off, auto (the measured best per "
+        "backend: off on a CPU).",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

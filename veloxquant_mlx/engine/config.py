@@ -65,6 +65,9 @@ class EngineConfig:
     # Prefill widths padded to a multiple of this (cuBLAS plans per shape); None: 64 on CUDA,
     # 0 (none) elsewhere (kv/attention.py).
     prefill_bucket: int | None = None
+    # Prefill forwards on an MLX stream of their own (loop/runner.py): "on", "off", "auto"
+    # (the measured best per backend: model/loader.py's PREFILL_STREAM).
+    prefill_stream: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

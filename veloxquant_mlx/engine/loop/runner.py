@@ -12,6 +12,7 @@ fills: nobody's KV moves or is copied when a row joins or leaves.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +90,19 @@ class Runner:
         model: The mlx_lm model.
         kv: The layout the rows' KV lives in.
         block_size: Tokens per pool block (a cached page).
+        prefill_stream: Run prefill forwards on an MLX stream of their own (made on the engine
+            thread at the first prefill: MLX's streams are per thread), so the device runs a
+            prompt's chunk beside the decode steps instead of queueing them behind it.
     """
 
-    def __init__(self, model: Any, kv: KVLayout, vocab_size: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: Any,
+        kv: KVLayout,
+        vocab_size: int,
+        block_size: int = 16,
+        prefill_stream: bool = False,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.vocab_size = vocab_size
@@ -103,6 +114,16 @@ class Runner:
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
+        self._own_stream = prefill_stream
+        self._stream: mx.Stream | None = None  # the prefill's, once made
+
+    def _prefill_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a prefill forward and its first token run: its own stream, or the default."""
+        if not self._own_stream:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        return mx.stream(self._stream)
 
     # ------------------------------------------------------------------ prefill
 
@@ -128,14 +149,15 @@ class Runner:
         # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
         # prompt's tokens never see the padding (causal), which is trimmed off the caches after
         extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
-        logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
-        if extra:
-            for cache in state.caches:
-                cache.trim(extra)
-        if not chunk.completes:  # the next chunk builds on these: start them now
-            mx.async_eval([(c.keys, c.values) for c in state.caches])
-            return None
-        sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
+        with self._prefill_stream():
+            logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
+            if extra:
+                for cache in state.caches:
+                    cache.trim(extra)
+            if not chunk.completes:  # the next chunk builds on these: start them now
+                mx.async_eval([(c.keys, c.values) for c in state.caches])
+                return None
+            sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
         self._join(seq)
         state.next_input = sampled.tokens
         mx.async_eval(sampled.tokens)
@@ -182,8 +204,9 @@ class Runner:
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         for cache in caches:
             cache.vq_route = self.kv.ragged.prefill_route
-        logits = self.model(tokens, cache=caches)[:, -1, :]
-        sampled = self._sample_first(list(seqs), logits)
+        with self._prefill_stream():
+            logits = self.model(tokens, cache=caches)[:, -1, :]
+            sampled = self._sample_first(list(seqs), logits)
         for i, seq in enumerate(seqs):
             state = row_state(seq)
             p = padding[i]

@@ -54,6 +54,19 @@ def answers_up_to(mode: str, keeps_pages: bool) -> int | None:
     return 0 if mode == "off" else ANSWERS_UP_TO
 
 
+# Whether prefill forwards run on a stream of their own, per backend, under --prefill-stream
+# auto (DESIGN-NOTES.md, "Prefill on a stream of its own").
+PREFILL_STREAM = {"cpu": False, "gpu": False}
+
+
+def prefill_stream(cfg: EngineConfig) -> bool:
+    if cfg.prefill_stream not in ("auto", "on", "off"):
+        raise ValueError(f"prefill_stream must be auto, on or off, got {cfg.prefill_stream!r}")
+    if cfg.prefill_stream != "auto":
+        return cfg.prefill_stream == "on"
+    return PREFILL_STREAM["cpu" if mx.default_device() == mx.cpu else "gpu"]
+
+
 def prefill_budget(cfg: EngineConfig) -> int:
     if cfg.prefill_budget is not None:
         return cfg.prefill_budget
@@ -365,7 +378,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
         require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
-    runner = Runner(model, kv, vocab_size, cfg.block_size)
+    # over mx.distributed every rank must run the collectives in one order: one stream
+    runner = Runner(model, kv, vocab_size, cfg.block_size, prefill_stream(cfg) and group is None)
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,
