@@ -212,6 +212,21 @@ class Settings(BaseSettings):
     prefix_cache_disk_gb: float = Field(
         10.0, gt=0, description="Disk the --prefix-cache-dir pages may use (LRU beyond)."
     )
+    cuda_graph_ops: int | None = Field(
+        None,
+        ge=1,
+        le=254,
+        description="On MLX's CUDA backend: operations per CUDA graph it launches "
+        "(MLX_MAX_OPS_PER_BUFFER; MLX's default 20); unset: MLX's default. An "
+        "MLX_MAX_OPS_PER_BUFFER already in the environment wins.",
+    )
+    cuda_graph_cache: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="On MLX's CUDA backend: CUDA graphs it keeps instantiated for reuse "
+        "(MLX_CUDA_GRAPH_CACHE_SIZE); unset: MLX's default. The environment's value wins.",
+    )
     engine_process: bool = Field(
         False,
         description="Run the engine (model, scheduler, pool) in a process of its own, so that "

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from veloxquant_mlx.blas import ensure_blas
+from veloxquant_mlx.config import mlx_env
 from veloxquant_mlx.config.launch import launched_rank, share_cpu_threads
 from veloxquant_mlx.config.settings import SettingsError, load_settings
 from veloxquant_mlx.logs import setup_logging
@@ -34,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("BLAS: %s", blas)
     if threads is not None:
         log.info("BLAS threads per rank: %d (ranks share this host's cores)", threads)
+    applied = mlx_env.apply(
+        {"cuda_graph_ops": settings.cuda_graph_ops, "cuda_graph_cache": settings.cuda_graph_cache}
+    )  # before MLX's backend is first used (the engine's load), inherited by its process
+    if applied:
+        log.info("MLX: %s", ", ".join(f"{k}={v}" for k, v in applied.items()))
+
     rank = launched_rank()
     if rank is not None and rank > 0:  # a follower of an mx.distributed group: no HTTP
         from veloxquant_mlx.engine.hosts.follower import run_follower

@@ -1,0 +1,24 @@
+"""MLX's environment settings (``--cuda-graph-ops``, ``--cuda-graph-cache``): set before the
+engine loads, never over the operator's own environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from veloxquant_mlx.config import mlx_env
+from veloxquant_mlx.config.settings import SettingsError, load_settings
+
+
+def test_set_values_go_to_mlx_variables_and_the_environment_wins():
+    env = {"MLX_CUDA_GRAPH_CACHE_SIZE": "50"}
+    applied = mlx_env.apply({"cuda_graph_ops": 100, "cuda_graph_cache": 2000}, env)
+    assert applied == {"MLX_MAX_OPS_PER_BUFFER": "100"}
+    assert env == {"MLX_MAX_OPS_PER_BUFFER": "100", "MLX_CUDA_GRAPH_CACHE_SIZE": "50"}
+    assert mlx_env.apply({"cuda_graph_ops": None, "cuda_graph_cache": None}, {}) == {}
+
+
+def test_the_flags_parse_and_are_bounded():
+    s = load_settings(["--cuda-graph-ops", "100", "--cuda-graph-cache", "2000"])
+    assert (s.cuda_graph_ops, s.cuda_graph_cache) == (100, 2000)
+    with pytest.raises(SettingsError):
+        load_settings(["--cuda-graph-ops", "300"])  # MLX takes fewer than 255
