@@ -1,12 +1,15 @@
-"""MLX's environment settings (``--cuda-graph-ops``, ``--cuda-graph-cache``): set before the
-engine loads, never over the operator's own environment."""
+"""Settings: MLX's environment settings (``--cuda-graph-ops``, ``--cuda-graph-cache``) are set
+before the engine loads, never over the operator's own environment; every setting is a flag
+docs/configuration.md documents."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from veloxquant_mlx.config import mlx_env
-from veloxquant_mlx.config.settings import SettingsError, load_settings
+from veloxquant_mlx.config.settings import Settings, SettingsError, load_settings
 
 
 def test_set_values_go_to_mlx_variables_and_the_environment_wins():
@@ -22,3 +25,9 @@ def test_the_flags_parse_and_are_bounded():
     assert (s.cuda_graph_ops, s.cuda_graph_cache) == (100, 2000)
     with pytest.raises(SettingsError):
         load_settings(["--cuda-graph-ops", "300"])  # MLX takes fewer than 255
+
+
+def test_every_setting_is_documented_as_a_flag():
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [n for n in Settings.model_fields if f"`--{n.replace('_', '-')}" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"
