@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that compares server settings on the agent benchmark: ours only, at
 # --log-level debug, each setting in turn, ROUNDS times (alternating, so machine drift falls on
-# all), each run's slow steps summed by phase. Writes under OUT_DIR.
+# all), each run's slow steps summed by phase. Writes one report, OUT_DIR/ab.md (the device
+# tool brings back at most 8 files); the runs' logs stay in WORK (default a temporary folder).
 #
 #   benchmarks/gpu_agent_ab.sh OUT_DIR SHAPE TURNS ROUNDS SETTING [SETTING ...]
 #
@@ -13,8 +14,11 @@
 # .gpu2/env.sh. About 40 s a run for the 1B shape, 1.5-2 minutes for the 8B one (its start).
 # Every server is stopped by pid (the benchmark's own context manager).
 set -euo pipefail
-out=$1 shape=$2 turns=$3 rounds=$4
+dest=$1 shape=$2 turns=$3 rounds=$4
 shift 4
+mkdir -p "$dest"
+report=$dest/ab.md
+out=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/vq-ab.XXXXXX")}
 mkdir -p "$out"
 models=${TMPDIR:-/tmp}/vq-models
 python3 -c "from pathlib import Path; from benchmarks.serving import write_model
@@ -42,6 +46,10 @@ for r in $(seq 1 "$rounds"); do
       || true
   done
 done
-cat "$out/settings.txt"
-for f in "$out"/agent-*.md; do echo "## $(basename "$f" .md)"; grep "| ours" "$f" || true; done
-for f in "$out"/slow-*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done
+{
+  cat "$out/settings.txt"
+  for f in "$out"/agent-*.md; do echo "## $(basename "$f" .md)"; cat "$f"; done
+  for f in "$out"/slow-*.md; do echo "## slow steps, $(basename "$f" .md)"; cat "$f"; done
+  for f in "$out"/agent-*.txt; do grep -h "agent_bench: exit\|Error" "$f" | sed "s|^|$(basename "$f"): |" || true; done
+} > "$report" 2>&1
+cat "$report"
