@@ -164,7 +164,7 @@ class Settings(BaseSettings):
         "auto",
         description="Run prefill forwards on an MLX stream of their own, so a decode step does "
         "not queue behind a prompt's chunk on the device: on, off, auto (the measured best per "
-        "backend: off on a CPU).",
+        "backend: on with CUDA, off on a CPU and, not measured, on Metal).",
     )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",

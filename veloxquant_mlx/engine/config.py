@@ -66,7 +66,7 @@ class EngineConfig:
     # 0 (none) elsewhere (kv/attention.py).
     prefill_bucket: int | None = None
     # Prefill forwards on an MLX stream of their own (loop/runner.py): "on", "off", "auto"
-    # (the measured best per backend: model/loader.py's PREFILL_STREAM).
+    # (the measured best per backend: on with CUDA; model/loader.py's PREFILL_STREAM).
     prefill_stream: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
