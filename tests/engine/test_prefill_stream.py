@@ -82,3 +82,13 @@ def test_auto_is_off_on_a_cpu_and_bad_values_are_refused():
         assert prefill_stream(EngineConfig()) is False
     with pytest.raises(ValueError, match="prefill_stream"):
         prefill_stream(EngineConfig(prefill_stream="sometimes"))
+
+
+def test_the_paged_layout_keeps_one_stream(make_engine, caplog):
+    # its prefills read cached pages from the blocks decode steps write in place
+    with caplog.at_level("INFO", logger="veloxquant.engine"):
+        engine = make_engine(kv_cache_mb=32, kv_layout="paged", prefill_stream="on")
+    assert engine._core.runner._own_stream is False
+    assert any("the paged layout" in r.getMessage() for r in caplog.records)
+    dense = make_engine(kv_cache_mb=32, prefill_stream="on")
+    assert dense._core.runner._own_stream is True

@@ -381,8 +381,16 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
         require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
-    # over mx.distributed every rank must run the collectives in one order: one stream
-    runner = Runner(model, kv, vocab_size, cfg.block_size, prefill_stream(cfg) and group is None)
+    own_stream = prefill_stream(cfg)
+    # One stream over mx.distributed (every rank must run the collectives in one order) and in
+    # the paged layout (a prefill reads cached pages from the blocks that decode steps write in
+    # place, an order only one stream keeps).
+    why = "an mx.distributed group" if group is not None else "the paged layout"
+    if own_stream and (group is not None or kv.keeps_pages):
+        own_stream = False
+        if cfg.prefill_stream == "on":
+            log.info("--prefill-stream on: prefill stays on the decode steps' stream in %s", why)
+    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream)
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,
