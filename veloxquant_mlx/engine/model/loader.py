@@ -412,8 +412,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     blas = blas_in_use()
     log.info(
         "engine ready: %s, pool %d blocks x %d slots (%d bytes each, %.1f MiB), KV %s in "
-        "layout %s, ragged attention %s, softmax %s, prefill attention %s, prefix caching %s, "
-        "BLAS %s",
+        "layout %s, ragged attention %s, softmax %s, prefill attention %s%s, prefix caching "
+        "%s, BLAS %s",
         name,
         n_blocks,
         cfg.block_size,
@@ -431,6 +431,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
         "matmul" if ragged.prefill_route is not None else "sdpa",
+        " on a stream of its own" if own_stream else "",
         "on" if cfg.prefix_caching else "off",
         blas,
     )
