@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.model.loader import prefill_stream
+from veloxquant_mlx.engine.model.choices import prefill_stream
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -205,7 +205,7 @@ def test_reset_under_load_changes_no_token(make_engine):
 
 
 def test_auto_caches_answers_in_the_dense_layout_only_while_few_requests_run():
-    from veloxquant_mlx.engine.model.loader import ANSWERS_UP_TO, answers_up_to
+    from veloxquant_mlx.engine.model.choices import ANSWERS_UP_TO, answers_up_to
 
     assert answers_up_to("auto", keeps_pages=True) is None  # paged: always (no copy)
     assert answers_up_to("auto", keeps_pages=False) == ANSWERS_UP_TO

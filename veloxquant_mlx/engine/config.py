@@ -24,7 +24,7 @@ class EngineConfig:
     # Prompt tokens prefilled per engine turn at most (padding included) while some request
     # decodes: each step carries its decode and at most this much prefill, so a long prompt
     # arriving pauses the running streams for one such step at a time. None: the measured
-    # choice per backend (loader.PREFILL_BUDGET). More starts a burst sooner, less keeps
+    # choice per backend (model/choices.py PREFILL_BUDGET). More starts a burst sooner, less keeps
     # running streams smoother.
     prefill_budget: int | None = None
     # ... and while no request decodes (nobody's stream waits on the step).
@@ -66,7 +66,7 @@ class EngineConfig:
     # 0 (none) elsewhere (kv/attention.py).
     prefill_bucket: int | None = None
     # Prefill forwards on an MLX stream of their own (loop/runner.py): "on", "off", "auto"
-    # (the measured best per backend: on with CUDA; model/loader.py's PREFILL_STREAM).
+    # (the measured best per backend: on with CUDA; model/choices.py's PREFILL_STREAM).
     prefill_stream: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
@@ -82,7 +82,7 @@ class EngineConfig:
     # Cache a leaving row's generated pages too (the next turn resends the answer): "on",
     # "off", or "auto": always where the layout keeps pages in the pool's blocks (paged); in
     # the dense layout, which copies them out of its working set, while at most
-    # loader.ANSWERS_UP_TO requests run.
+    # model/choices.py ANSWERS_UP_TO requests run.
     prefix_cache_answers: str = "auto"
     # The prefix cache's disk tier (loop/disk_tier.py): pages leaving memory, and every
     # cached page at a clean stop, are written under this directory and loaded back on a

@@ -35,9 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("BLAS: %s", blas)
     if threads is not None:
         log.info("BLAS threads per rank: %d (ranks share this host's cores)", threads)
-    applied = mlx_env.apply(
-        {"cuda_graph_ops": settings.cuda_graph_ops, "cuda_graph_cache": settings.cuda_graph_cache}
-    )  # before MLX's backend is first used (the engine's load), inherited by its process
+    # before MLX's backend is first used (the engine's load), inherited by its process
+    applied = mlx_env.apply({name: getattr(settings, name) for name in mlx_env.VARIABLES})
     if applied:
         log.info("MLX: %s", ", ".join(f"{k}={v}" for k, v in applied.items()))
 

@@ -17,6 +17,7 @@ from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.page_file import fingerprint
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.model.choices import answers_up_to, prefill_budget, prefill_stream
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.formats import Formats, kv_formats
@@ -30,50 +31,6 @@ from veloxquant_mlx.kv.quantized import check_kernels, window_bytes, window_unre
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
-
-
-# Prompt tokens a step carries at most while other rows decode, per backend, when
-# --prefill-budget is unset (DESIGN-NOTES.md, "Prefill beside decoding").
-PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
-
-
-# In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
-# while at most this many requests run: each copy out of the working set makes the next step
-# copy every layer's working set instead of updating it in place, a cost that grows with the
-# batch (the H200, 1B shape, 128 clients: 0.75x of the throughput; BENCHMARKS.md, "Answers
-# cached"), while agents run a few sessions.
-ANSWERS_UP_TO = 16
-
-
-def answers_up_to(mode: str, keeps_pages: bool) -> int | None:
-    """The running requests up to which a leaving row's answer is cached (None: always)."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"prefix_cache_answers must be auto, on or off, got {mode!r}")
-    if mode == "on" or (mode == "auto" and keeps_pages):
-        return None
-    return 0 if mode == "off" else ANSWERS_UP_TO
-
-
-# Whether prefill forwards run on a stream of their own, per backend, under --prefill-stream
-# auto (DESIGN-NOTES.md, "Prefill on a stream of its own"): measured faster on CUDA, slower on
-# this CPU, not measured on Metal.
-PREFILL_STREAM = {"cpu": False, "cuda": True, "metal": False}
-
-
-def prefill_stream(cfg: EngineConfig) -> bool:
-    if cfg.prefill_stream not in ("auto", "on", "off"):
-        raise ValueError(f"prefill_stream must be auto, on or off, got {cfg.prefill_stream!r}")
-    if cfg.prefill_stream != "auto":
-        return cfg.prefill_stream == "on"
-    if mx.default_device() == mx.cpu:
-        return PREFILL_STREAM["cpu"]
-    return PREFILL_STREAM["cuda" if attention.cuda_available() else "metal"]
-
-
-def prefill_budget(cfg: EngineConfig) -> int:
-    if cfg.prefill_budget is not None:
-        return cfg.prefill_budget
-    return PREFILL_BUDGET["cpu" if mx.default_device() == mx.cpu else "gpu"]
 
 
 def model_path(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
@@ -381,15 +338,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
         require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
-    own_stream = prefill_stream(cfg)
-    # One stream over mx.distributed (every rank must run the collectives in one order) and in
-    # the paged layout (a prefill reads cached pages from the blocks that decode steps write in
-    # place, an order only one stream keeps).
-    why = "an mx.distributed group" if group is not None else "the paged layout"
-    if own_stream and (group is not None or kv.keeps_pages):
-        own_stream = False
-        if cfg.prefill_stream == "on":
-            log.info("--prefill-stream on: prefill stays on the decode steps' stream in %s", why)
+    own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
     runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream)
     scheduler = Scheduler(
         pool,

@@ -1,0 +1,69 @@
+"""Choices the settings leave to the engine, made per backend and layout by measurement:
+the prefill budget beside decoding, prefill on a stream of its own, which answers are cached
+(DESIGN-NOTES.md names the measurements)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.kv import attention
+
+log = logging.getLogger("veloxquant.engine")
+
+
+# Prompt tokens a step carries at most while other rows decode, per backend, when
+# --prefill-budget is unset (DESIGN-NOTES.md, "Prefill beside decoding").
+PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
+
+
+# In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
+# while at most this many requests run: each copy out of the working set makes the next step
+# copy every layer's working set instead of updating it in place, a cost that grows with the
+# batch (the H200, 1B shape, 128 clients: 0.75x of the throughput; BENCHMARKS.md, "Answers
+# cached"), while agents run a few sessions.
+ANSWERS_UP_TO = 16
+
+
+def answers_up_to(mode: str, keeps_pages: bool) -> int | None:
+    """The running requests up to which a leaving row's answer is cached (None: always)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"prefix_cache_answers must be auto, on or off, got {mode!r}")
+    if mode == "on" or (mode == "auto" and keeps_pages):
+        return None
+    return 0 if mode == "off" else ANSWERS_UP_TO
+
+
+# Whether prefill forwards run on a stream of their own, per backend, under --prefill-stream
+# auto (DESIGN-NOTES.md, "Prefill on a stream of its own"): measured faster on CUDA, slower on
+# this CPU, not measured on Metal.
+PREFILL_STREAM = {"cpu": False, "cuda": True, "metal": False}
+
+
+def prefill_stream(cfg: EngineConfig, keeps_pages: bool = False, grouped: bool = False) -> bool:
+    """Whether prefill forwards run on a stream of their own. Never over mx.distributed
+    (``grouped``: every rank must run the collectives in one order) nor where the layout
+    ``keeps_pages`` (paged: a prefill reads cached pages from the blocks that decode steps
+    write in place, an order only one stream keeps); one log line if ``on`` was asked for."""
+    if cfg.prefill_stream not in ("auto", "on", "off"):
+        raise ValueError(f"prefill_stream must be auto, on or off, got {cfg.prefill_stream!r}")
+    if cfg.prefill_stream != "auto":
+        wanted = cfg.prefill_stream == "on"
+    elif mx.default_device() == mx.cpu:
+        wanted = PREFILL_STREAM["cpu"]
+    else:
+        wanted = PREFILL_STREAM["cuda" if attention.cuda_available() else "metal"]
+    if wanted and (grouped or keeps_pages):
+        if cfg.prefill_stream == "on":
+            why = "an mx.distributed group" if grouped else "the paged layout"
+            log.info("--prefill-stream on: prefill stays on the decode steps' stream in %s", why)
+        return False
+    return wanted
+
+
+def prefill_budget(cfg: EngineConfig) -> int:
+    if cfg.prefill_budget is not None:
+        return cfg.prefill_budget
+    return PREFILL_BUDGET["cpu" if mx.default_device() == mx.cpu else "gpu"]
