@@ -1,6 +1,8 @@
 """``--prefill-stream``: prefill forwards on an MLX stream of their own. A long prompt prefilled
 in chunks beside decoding rows gives every request the same greedy tokens as with one stream,
-and its forwards (not the decode steps') ran on the other stream."""
+and its forwards (not the decode steps') ran on the other stream. ``--prefill-join ready``: the
+prompt's row joins a later step than its last chunk's (once that chunk is probably done), with
+the same tokens; a request that leaves while it waits to join leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.model.choices import prefill_stream
+from veloxquant_mlx.engine.loop.join_clock import JoinClock
+from veloxquant_mlx.engine.model.choices import prefill_join, prefill_stream
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -30,19 +33,24 @@ class _Streams:
         return getattr(self.model, name)
 
 
-def _serve(make_engine, mode: str) -> tuple[list[list[int]], list[tuple[int, str]]]:
+def _serve(
+    make_engine, mode: str, join: str = "ready", rate: float | None = None
+) -> tuple[list[list[int]], list[tuple[int, str]], int]:
     """Two short requests decoding, then a long prompt arriving (chunks of 32 beside them);
-    every request's tokens, and the forwards' widths and streams."""
+    every request's tokens, the forwards' widths and streams, and the rows that joined late.
+    ``rate``: the join clock's seconds per prompt token, held there."""
     box: dict = {}
 
     def hook() -> None:  # engine thread, before each turn
         runner = box["engine"]._core.runner
         if not isinstance(runner.model, _Streams):
             box["spy"] = runner.model = _Streams(runner.model)
+        if rate is not None:
+            runner._clock.rate = rate
 
     engine = make_engine(
         kv_cache_mb=32, prefill_budget=32, prefix_caching=False, prefill_stream=mode,
-        step_hook=hook,
+        prefill_join=join, step_hook=hook,
     )  # fmt: skip
     box["engine"] = engine
     rng = random.Random(5)
@@ -58,13 +66,16 @@ def _serve(make_engine, mode: str) -> tuple[list[list[int]], list[tuple[int, str
         assert isinstance(finish, FinishEvent)
         out.append([t.token_id for t in tokens])
     out[0].insert(0, first.token_id)
-    return out, box["spy"].calls
+    return out, box["spy"].calls, engine._core.runner.late_joins
 
 
 def test_prefill_on_its_own_stream_gives_the_same_tokens(make_engine):
-    on, calls = _serve(make_engine, "on")
-    off, calls_off = _serve(make_engine, "off")
-    assert on == off
+    on, calls, late = _serve(make_engine, "on")
+    off, calls_off, late_off = _serve(make_engine, "off")
+    now, _, late_now = _serve(make_engine, "on", join="now")
+    assert on == off == now
+    assert late >= 1  # the long prompt's row joined after its last chunk's step
+    assert late_off == late_now == 0
     assert [len(t) for t in on] == [40, 40, 8]
     prefill = {s for w, s in calls if w > 1}
     decode = {s for w, s in calls if w == 1}
@@ -73,6 +84,73 @@ def test_prefill_on_its_own_stream_gives_the_same_tokens(make_engine):
     assert max(w for w, _ in calls) <= 32
     # with one stream every forward runs on the default one
     assert len({s for _, s in calls_off}) == 1
+
+
+def test_a_row_waiting_to_join_joins_once_nobody_decodes(make_engine):
+    # a clock that never calls the prefill done: the row joins when the others have ended
+    slow, _, late = _serve(make_engine, "on", rate=1.0)
+    off, _, _ = _serve(make_engine, "off")
+    assert slow == off
+    assert late >= 1
+
+
+def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine):
+    box: dict = {}
+
+    def hook() -> None:  # engine thread: the clock never calls a prefill done
+        runner = box["engine"]._core.runner
+        runner._clock.rate = 1.0
+        if runner.waiting_to_join() and "long" in box and not box.get("cancelled"):
+            box["cancelled"] = True
+            box["engine"].cancel(box["long"])
+
+    engine = make_engine(
+        kv_cache_mb=32, prefill_budget=32, prefill_stream="on", step_hook=hook
+    )  # fmt: skip
+    box["engine"] = engine
+    rng = random.Random(7)
+    short = [engine.submit(GenerationRequest(tuple(range(5, 17)), 60, GREEDY)) for _ in range(2)]
+    assert isinstance(next(iter(short[0].events(60))), TokenEvent)
+    box["long"] = engine.submit(
+        GenerationRequest(tuple(rng.randrange(3, 2000) for _ in range(200)), 8, GREEDY)
+    )
+    tokens, finish = box["long"].collect(120)
+    assert box.get("cancelled") and tokens == []
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
+    for h in short:
+        _, done = h.collect(120)
+        assert isinstance(done, FinishEvent) and done.finish_reason == "length"
+    assert engine._core.runner.waiting_to_join() == 0
+    # the fixture then checks the pool all free and no owner left
+
+
+def test_join_clock_guesses_from_the_reads():
+    now = [10.0]
+    clock = JoinClock(rate=0.001, clock=lambda: now[0])
+    first = clock.launched(100)  # 0.1 s
+    second = clock.launched(50)  # queued behind it on the stream
+    assert (first.start, first.done) == (10.0, pytest.approx(10.1))
+    assert (second.start, second.done) == (pytest.approx(10.1), pytest.approx(10.15))
+    assert not clock.due(first)
+    now[0] = 10.12
+    assert clock.due(first) and not clock.due(second)
+    clock.learn(second, waited=0.08, at=10.23)  # it ran until 10.23: 0.0026 s a token
+    assert clock.rate == pytest.approx(0.5 * 0.001 + 0.5 * 0.13 / 50)
+    high = clock.rate
+    clock.learn(second, waited=0.0, at=10.3)  # done before the read: a little lower
+    assert clock.rate == pytest.approx(high * 0.95)
+    for _ in range(2000):  # bounded below
+        clock.learn(second, waited=0.0, at=11.0)
+    assert clock.rate == pytest.approx(1e-7)
+    now[0] = 20.0  # an idle stream starts a launch now
+    assert clock.launched(10).start == 20.0
+
+
+def test_bad_join_values_are_refused():
+    assert prefill_join(EngineConfig()) is True
+    assert prefill_join(EngineConfig(prefill_join="now")) is False
+    with pytest.raises(ValueError, match="prefill_join"):
+        prefill_join(EngineConfig(prefill_join="later"))
 
 
 def test_auto_is_off_on_a_cpu_and_bad_values_are_refused():
@@ -95,4 +173,6 @@ def test_the_paged_layout_keeps_one_stream(make_engine, caplog):
         dense = make_engine(kv_cache_mb=32, prefill_stream="on")
     assert dense._core.runner._own_stream is True
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert ready and "on a stream of its own, prefix caching" in ready[0], ready
+    assert ready and "on a stream of its own, rows joining when it is done, prefix" in ready[0], (
+        ready
+    )

@@ -166,6 +166,12 @@ class Settings(BaseSettings):
         "not queue behind a prompt's chunk on the device: on, off, auto (the measured best per "
         "backend: on with CUDA, off on a CPU and, not measured, on Metal).",
     )
+    prefill_join: Literal["ready", "now"] = Field(
+        "ready",
+        description="With prefill on a stream of its own, when a prefilled request joins the "
+        "decode batch: ready (the first step built once its prefill is probably done on the "
+        "device, so no decode step waits for it), now (the step built with its last chunk).",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

@@ -62,6 +62,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_attention=settings.prefill_attention,
         prefill_bucket=settings.prefill_bucket,
         prefill_stream=settings.prefill_stream,
+        prefill_join=settings.prefill_join,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,
         prefix_cache_answers=settings.prefix_cache_answers,

@@ -257,9 +257,12 @@ class EngineCore:
                 mx.synchronize()
             runner.launch(launched)
         clock.mark()
-        # Read back what was launched before this step (and prefills' first tokens) while the
-        # new step runs.
-        for sampled in [*self._inflight, *results]:
+        # Read back what was launched before this step, then the joining rows' first tokens
+        # (``settle`` times their wait), while the new step runs.
+        for sampled in self._inflight:
+            self._absorb(sampled)
+        runner.settle()
+        for sampled in results:
             self._absorb(sampled)
         clock.mark()
         clock.report(len(runner.rows), plan)

@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from veloxquant_mlx.engine.loop.join_clock import JoinClock, Launch
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -83,6 +84,16 @@ class Sampled:
     drawn: Drawn  # the tokens, their logprobs when a row asked, the sampler's carried state
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A prefill done (as launched) whose rows wait to join the batch until it is probably done
+    on the device (``JoinClock``): its first tokens, and each row's KV per layer."""
+
+    sampled: Sampled
+    joins: list[tuple[Seq, list[tuple[mx.array, mx.array]]]]
+    launch: Launch | None  # None: on the decode steps' stream
+
+
 class Runner:
     """Runs the model over the batch. Owns the batch's rows (in row order) and the KV memory.
 
@@ -93,6 +104,9 @@ class Runner:
         prefill_stream: Run prefill forwards on an MLX stream of their own (made on the engine
             thread at the first prefill: MLX's streams are per thread), so the device runs a
             prompt's chunk beside the decode steps instead of queueing them behind it.
+        join_when_ready: With ``prefill_stream``, a prefilled row joins the first step built
+            once its prefill is probably done on the device (``join_clock``), not the step
+            built with its last chunk (which would wait for that chunk, and every row with it).
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class Runner:
         vocab_size: int,
         block_size: int = 16,
         prefill_stream: bool = False,
+        join_when_ready: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -116,6 +131,10 @@ class Runner:
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
         self._own_stream = prefill_stream
         self._stream: mx.Stream | None = None  # the prefill's, once made
+        self._clock = JoinClock() if prefill_stream and join_when_ready else None
+        self._pending: list[_Pending] = []  # prefilled, not yet joined (oldest first)
+        self._joined_now: list[_Pending] = []  # joined this step; ``settle`` reads them
+        self.late_joins = 0  # rows that joined a step after their last chunk's
 
     def _prefill_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where a prefill forward and its first token run: its own stream, or the default."""
@@ -129,8 +148,13 @@ class Runner:
 
     def prefill(self, plan: StepPlan) -> list[Sampled]:
         """Run the plan's prefills: ``together`` in one padded forward, then each chunk.
-        Returns the first tokens of the rows that joined the batch."""
-        results = [self.prefill_together(plan.together)] if plan.together else []
+        Returns the first tokens of the rows that joined the batch: those of an earlier prefill
+        whose time came (``join_when_ready``), then this step's."""
+        results = self._due()
+        if plan.together:
+            first = self.prefill_together(plan.together)
+            if first is not None:
+                results.append(first)
         for chunk in plan.chunks:
             first = self.prefill_chunk(chunk)
             if first is not None:
@@ -139,7 +163,8 @@ class Runner:
 
     def prefill_chunk(self, chunk: Chunk) -> Sampled | None:
         """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
-        sample the first token and join the batch (that token's ``Sampled``), else None."""
+        sample the first token and join the batch (``_complete``: that token's ``Sampled``, or
+        None while the join waits for the device), else None."""
         seq = chunk.seq
         state = seq.state
         assert state is not None
@@ -149,6 +174,7 @@ class Runner:
         # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
         # prompt's tokens never see the padding (causal), which is trimmed off the caches after
         extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
+        launch = self._launched(chunk.n + extra)
         with self._prefill_stream():
             logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
             if extra:
@@ -158,10 +184,9 @@ class Runner:
                 mx.async_eval([(c.keys, c.values) for c in state.caches])
                 return None
             sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
-        self._join(seq)
+            layers = _filled(state.caches)
         state.next_input = sampled.tokens
-        mx.async_eval(sampled.tokens)
-        return sampled
+        return self._complete(_Pending(sampled, [(seq, layers)], launch))
 
     def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
         """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
@@ -190,10 +215,10 @@ class Runner:
             cache.keys, cache.values, cache.offset = k, v, k.shape[2]
         return caches
 
-    def prefill_together(self, seqs: list[Seq]) -> Sampled:
+    def prefill_together(self, seqs: list[Seq]) -> Sampled | None:
         """Prefill several whole prompts (each at most one chunk) in one left-padded forward,
-        sample their first tokens, and join them to the batch: a burst of arrivals costs one
-        forward instead of one each."""
+        sample their first tokens, and join them to the batch (``_complete``): a burst of
+        arrivals costs one forward instead of one each."""
         lengths = [len(s.tokens) for s in seqs]
         width = max(lengths)
         bucket = self.kv.ragged.prefill_bucket
@@ -204,19 +229,80 @@ class Runner:
         caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
         for cache in caches:
             cache.vq_route = self.kv.ragged.prefill_route
+        launch = self._launched(width * len(seqs))
+        joins = []
         with self._prefill_stream():
             logits = self.model(tokens, cache=caches)[:, -1, :]
             sampled = self._sample_first(list(seqs), logits)
-        for i, seq in enumerate(seqs):
-            state = row_state(seq)
-            p = padding[i]
-            rows = [
-                (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
-            ]
-            self._join(seq, rows)
-            state.next_input = sampled.tokens[i : i + 1]
-        mx.async_eval(sampled.tokens)
-        return sampled
+            for i, seq in enumerate(seqs):
+                p = padding[i]
+                rows = [
+                    (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
+                ]
+                joins.append((seq, rows))
+                row_state(seq).next_input = sampled.tokens[i : i + 1]
+        return self._complete(_Pending(sampled, joins, launch))
+
+    # ------------------------------------------------------------------ joining the batch
+
+    def _launched(self, n_tokens: int) -> Launch | None:
+        """A prefill forward of ``n_tokens`` is launched: when it should be done."""
+        return None if self._clock is None else self._clock.launched(n_tokens)
+
+    def _complete(self, done: _Pending) -> Sampled | None:
+        """A prefill's last forward is launched: its rows join the batch now, or, where rows
+        decode beside a prefill on its own stream, once it is probably done (``_due``): the
+        prefix cache gets its pages now either way (copied on the prefill's stream, so that
+        no decode step waits for them). Returns the first tokens when they joined now."""
+        mx.async_eval(done.sampled.tokens)
+        if done.launch is None or not any(r is not None for r in self.rows):
+            for seq, layers in done.joins:
+                self._join(seq, layers)
+            if self._clock is not None:
+                self._joined_now.append(done)
+            return done.sampled
+        with self._prefill_stream():
+            for seq, layers in done.joins:
+                row_state(seq).caches = None
+                if self.on_join is not None:
+                    self.on_join(seq, layers)
+        self._pending.append(done)
+        return None
+
+    def _due(self) -> list[Sampled]:
+        """Join the rows of the prefills probably done by now (all of them when no row
+        decodes: nobody's step would wait); their first tokens."""
+        if not self._pending:
+            return []
+        clock = self._clock
+        assert clock is not None
+        decoding = any(r is not None for r in self.rows)
+        due = [p for p in self._pending if not decoding or p.launch is None or clock.due(p.launch)]
+        for done in due:
+            self._pending.remove(done)
+            for seq, layers in done.joins:
+                self._join(seq, layers, cache_pages=False)
+            self.late_joins += len(done.joins)
+        self._joined_now.extend(due)
+        return [p.sampled for p in due]
+
+    def settle(self) -> None:
+        """After the step is launched: wait for the first tokens of the rows that joined it,
+        timing the wait for ``JoinClock`` (a wait means a late guess: the step waited too)."""
+        joined, self._joined_now = self._joined_now, []
+        clock = self._clock
+        if clock is None or not joined:
+            return
+        start = clock.clock()
+        mx.eval([p.sampled.tokens for p in joined])
+        end = clock.clock()
+        for done in joined:
+            if done.launch is not None:
+                clock.learn(done.launch, end - start, end)
+
+    def waiting_to_join(self) -> int:
+        """Rows prefilled and not yet joined."""
+        return sum(len(p.joins) for p in self._pending)
 
     def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
         """A span as the layout stores the server's own format (``kv.codec``; what the disk
@@ -224,32 +310,28 @@ class Runner:
         codec = getattr(self.kv.layout_for(""), "codec", None)
         return parts[0] if codec is None else codec.decode(parts)
 
-    def _join(self, seq: Seq, layers: list[tuple[mx.array, mx.array]] | None = None) -> None:
-        """Make the prefilled ``seq`` a row of the batch, its KV ``layers`` (default: its
-        prefill caches') copied into the layout; the prefix cache gets its prompt pages
-        (``on_join``). A prompt whose first token is its last (``max_tokens`` 1: a cache warm-up,
-        a classification) never decodes: where the layout keeps no pages (dense), it gets its
-        pages cached and does not join, so nobody's next step pays the copy of its context
-        into the working set nor a decode step of it."""
+    def _join(
+        self, seq: Seq, layers: list[tuple[mx.array, mx.array]], cache_pages: bool = True
+    ) -> None:
+        """Make the prefilled ``seq`` a row of the batch, its KV ``layers`` copied into the
+        layout; the prefix cache gets its prompt pages (``on_join``) unless they were given
+        already (``cache_pages``). A prompt whose first token is its last (``max_tokens`` 1: a
+        cache warm-up, a classification) never decodes: where the layout keeps no pages
+        (dense), it gets its pages cached and does not join, so nobody's next step pays the
+        copy of its context into the working set nor a decode step of it."""
         state = row_state(seq)
-        if layers is None:
-            caches: list[Any] = state.caches or []
-            layers = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-        if seq.handle.request.max_tokens <= 1 and not self.kv.keeps_pages:
-            state.caches = None
-            if self.on_join is not None:
-                self.on_join(seq, layers)
-            return
-        try:  # the first hole a leaver left, else a new row at the end
-            slot = self.rows.index(None)
-        except ValueError:
-            slot = len(self.rows)
-            self.rows.append(None)
-        self.kv.put_row(slot, layers, seq.table, seq.pages.n_known * self.block_size, seq.kv_format)
         state.caches = None
-        state.joined = True
-        self.rows[slot] = seq
-        if self.on_join is not None:
+        if seq.handle.request.max_tokens > 1 or self.kv.keeps_pages:
+            try:  # the first hole a leaver left, else a new row at the end
+                slot = self.rows.index(None)
+            except ValueError:
+                slot = len(self.rows)
+                self.rows.append(None)
+            n_known = seq.pages.n_known * self.block_size
+            self.kv.put_row(slot, layers, seq.table, n_known, seq.kv_format)
+            state.joined = True
+            self.rows[slot] = seq
+        if cache_pages and self.on_join is not None:
             self.on_join(seq, layers)
 
     def page_source(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> Any:
@@ -399,6 +481,7 @@ class Runner:
             return
         state.caches = None
         if not state.joined:
+            self._forget_pending(seq)
             return
         state.joined = False
         slot = self.rows.index(seq)
@@ -412,6 +495,20 @@ class Runner:
             self.kv.clear()
             self._last = None
             self._sampler = None
+
+    def _forget_pending(self, seq: Seq) -> None:
+        """``seq`` leaves before it joined: out of its prefill's joins, a hole in its first
+        tokens (a preempted request is read back nothing: it prefills again)."""
+        for done in self._pending:
+            if any(s is seq for s, _ in done.joins):
+                done.joins = [(s, layers) for s, layers in done.joins if s is not seq]
+                done.sampled.seqs = [None if s is seq else s for s in done.sampled.seqs]
+        self._pending = [p for p in self._pending if p.joins]
+
+
+def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
+    """Each prefill cache's keys and values up to its offset."""
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
 
 def _sampling(seq: Seq | None) -> RowSampling | None:

@@ -63,6 +63,14 @@ def prefill_stream(cfg: EngineConfig, keeps_pages: bool = False, grouped: bool =
     return wanted
 
 
+def prefill_join(cfg: EngineConfig) -> bool:
+    """Whether a prefilled row joins once its prefill is probably done (``ready``), where
+    prefill runs on a stream of its own (elsewhere the step queues behind it either way)."""
+    if cfg.prefill_join not in ("ready", "now"):
+        raise ValueError(f"prefill_join must be ready or now, got {cfg.prefill_join!r}")
+    return cfg.prefill_join == "ready"
+
+
 def prefill_budget(cfg: EngineConfig) -> int:
     if cfg.prefill_budget is not None:
         return cfg.prefill_budget

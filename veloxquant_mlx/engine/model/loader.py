@@ -17,7 +17,12 @@ from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.page_file import fingerprint
 from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
-from veloxquant_mlx.engine.model.choices import answers_up_to, prefill_budget, prefill_stream
+from veloxquant_mlx.engine.model.choices import (
+    answers_up_to,
+    prefill_budget,
+    prefill_join,
+    prefill_stream,
+)
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.formats import Formats, kv_formats
@@ -339,7 +344,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
-    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream)
+    joins = prefill_join(cfg)
+    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream, joins)
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,
@@ -380,7 +386,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
         "matmul" if ragged.prefill_route is not None else "sdpa",
-        " on a stream of its own" if own_stream else "",
+        (" on a stream of its own" + (", rows joining when it is done" if joins else ""))
+        if own_stream
+        else "",
         "on" if cfg.prefix_caching else "off",
         blas,
     )
