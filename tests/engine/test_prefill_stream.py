@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.loop.join_clock import JoinClock
+from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS, JoinClock
 from veloxquant_mlx.engine.model.choices import prefill_join, prefill_stream
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
@@ -127,8 +127,8 @@ def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine)
 def test_join_clock_guesses_from_the_reads():
     now = [10.0]
     clock = JoinClock(rate=0.001, clock=lambda: now[0])
-    first = clock.launched(100)  # 0.1 s
-    second = clock.launched(50)  # queued behind it on the stream
+    first = clock.launched(100 - OVERHEAD_TOKENS)  # 0.1 s with a forward's own cost
+    second = clock.launched(50 - OVERHEAD_TOKENS)  # queued behind it on the stream
     assert (first.start, first.done) == (10.0, pytest.approx(10.1))
     assert (second.start, second.done) == (pytest.approx(10.1), pytest.approx(10.15))
     assert not clock.due(first)

@@ -5,12 +5,13 @@ that chunk would make the step wait for it (its KV goes into the step's working 
 decoding stream with it. So the row joins the first step built once its prefill is probably
 done (``--prefill-join ready``): the decode steps keep going meanwhile.
 
-The guess is the device's rate of prompt tokens on that stream, learned from the first tokens'
-reads: a read that waited means the guess was early (the rate goes up towards the one the wait
-shows); one that did not, that it may have been late (the rate goes down a little, so a guess
-that is too long does not stay: each late guess costs the joining request's TTFT up to a step).
-Forwards on the stream run one after another, so a launch starts when the previous one is
-expected done. No MLX.
+The guess is a forward's tokens plus ``OVERHEAD_TOKENS`` (what a forward costs whatever its
+width: launches, the weights' read) at the device's rate on that stream, learned from the
+first tokens' reads: a read that waited means the guess was early (the rate goes up towards
+the one the wait shows); one that did not, that it may have been late (the rate goes down a
+little, so a guess that is too long does not stay: each late guess costs the joining
+request's TTFT up to a step). Forwards on the stream run one after another, so a launch
+starts when the previous one is expected done. No MLX.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# A forward costs about as much as this many more tokens: on an H200 the 1B shape's forward of
+# 100 new tokens over 3,000-7,000 cached took 14 ms, of 500 35 ms (BENCHMARKS.md).
+OVERHEAD_TOKENS = 128
 # A first token's read that waited less than this found its prefill done.
 WAITED_S = 0.001
-# Seconds a prompt token takes on the prefill stream before anything is measured: a 512-token
-# chunk ~50 ms (a 1B model on an H200 took 35-50 ms, an 8B one 42-102 ms for 150-425 tokens).
+# Seconds a token takes on the prefill stream before anything is measured: the 1B shape's on
+# an H200 fit 55-60 us, the 8B shape's (42-102 ms for 150-425 new tokens) 150-185 us.
 START_RATE = 1e-4
 RATE_BOUNDS = (1e-7, 1e-2)
 EASE = 0.95  # a read that did not wait: the rate times this
@@ -34,7 +38,7 @@ class Launch:
 
     start: float
     done: float
-    n_tokens: int
+    n_tokens: int  # the forward's, and ``OVERHEAD_TOKENS``
 
 
 class JoinClock:
@@ -50,8 +54,9 @@ class JoinClock:
     def launched(self, n_tokens: int) -> Launch:
         """A forward of ``n_tokens`` (padding included) was launched on the stream now."""
         start = max(self.clock(), self._free_at)
-        self._free_at = start + self.rate * n_tokens
-        return Launch(start, self._free_at, n_tokens)
+        n = n_tokens + OVERHEAD_TOKENS
+        self._free_at = start + self.rate * n
+        return Launch(start, self._free_at, n)
 
     def due(self, launch: Launch) -> bool:
         """Whether ``launch`` is expected done by now."""
@@ -60,7 +65,7 @@ class JoinClock:
     def learn(self, launch: Launch, waited: float, at: float) -> None:
         """The first token of ``launch`` was read at ``at`` after waiting ``waited`` seconds."""
         if waited > WAITED_S:  # still running: it took about until ``at``
-            seen = max(at - launch.start, 0.0) / max(launch.n_tokens, 1)
+            seen = max(at - launch.start, 0.0) / launch.n_tokens
             rate = 0.5 * self.rate + 0.5 * max(seen, self.rate)
             self._free_at = max(self._free_at, at)
         else:
