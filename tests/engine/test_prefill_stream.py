@@ -134,11 +134,13 @@ def test_join_clock_guesses_from_the_reads():
     assert not clock.due(first)
     now[0] = 10.12
     assert clock.due(first) and not clock.due(second)
-    clock.learn(second, waited=0.08, at=10.23)  # it ran until 10.23: 0.0026 s a token
-    assert clock.rate == pytest.approx(0.5 * 0.001 + 0.5 * 0.13 / 50)
+    clock.learn(second, waited=0.04, at=10.17)  # it ran until 10.17: 0.07 s for 0.05
+    assert clock.rate == pytest.approx(0.001 * 0.07 / 0.05)
+    clock.learn(second, waited=0.5, at=11.0)  # a long wait grows the rate at most 2x
+    assert clock.rate == pytest.approx(0.001 * 0.07 / 0.05 * 2)
     high = clock.rate
-    clock.learn(second, waited=0.0, at=10.3)  # done before the read: a little lower
-    assert clock.rate == pytest.approx(high * 0.95)
+    clock.learn(second, waited=0.0, at=11.1)  # done before the read: a little lower
+    assert clock.rate == pytest.approx(high * 0.9)
     for _ in range(2000):  # bounded below
         clock.learn(second, waited=0.0, at=11.0)
     assert clock.rate == pytest.approx(1e-7)

@@ -304,6 +304,7 @@ class EngineCore:
             while self._busy() or self._inflight:
                 self._turn()
         hits = 0 if cache is None else cache.counts.hits
+        self.runner.restart_join_clock()
         self.scheduler.reset_cache()
         sched.disk = hooks[0]
         if cache is not None:

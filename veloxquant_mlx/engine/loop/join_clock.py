@@ -7,10 +7,11 @@ done (``--prefill-join ready``): the decode steps keep going meanwhile.
 
 The guess is a forward's tokens plus ``OVERHEAD_TOKENS`` (what a forward costs whatever its
 width: launches, the weights' read) at the device's rate on that stream, learned from the
-first tokens' reads: a read that waited means the guess was early (the rate goes up towards
-the one the wait shows); one that did not, that it may have been late (the rate goes down a
-little, so a guess that is too long does not stay: each late guess costs the joining
-request's TTFT up to a step). Forwards on the stream run one after another, so a launch
+first tokens' reads: a read that waited means the guess was early (the rate grows by what
+the wait shows, at most ``GROW_MAX`` times a read); one that did not, that it may have been
+late (the rate eases by ``EASE``, so a guess that is too long does not stay: each late guess
+costs the joining request's TTFT up to a step, and a multi-chunk prompt's guess adds up its
+chunks'). Forwards on the stream run one after another, so a launch
 starts when the previous one is expected done. No MLX.
 """
 
@@ -29,7 +30,8 @@ WAITED_S = 0.001
 # an H200 fit 55-60 us, the 8B shape's (42-102 ms for 150-425 new tokens) 150-185 us.
 START_RATE = 1e-4
 RATE_BOUNDS = (1e-7, 1e-2)
-EASE = 0.95  # a read that did not wait: the rate times this
+GROW_MAX = 2.0  # a read that waited: the rate times at most this
+EASE = 0.9  # a read that did not wait: the rate times this
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +67,9 @@ class JoinClock:
     def learn(self, launch: Launch, waited: float, at: float) -> None:
         """The first token of ``launch`` was read at ``at`` after waiting ``waited`` seconds."""
         if waited > WAITED_S:  # still running: it took about until ``at``
-            seen = max(at - launch.start, 0.0) / launch.n_tokens
-            rate = 0.5 * self.rate + 0.5 * max(seen, self.rate)
+            planned = max(launch.done - launch.start, 1e-9)
+            took = max(at - launch.start, planned)
+            rate = self.rate * min(took / planned, GROW_MAX)
             self._free_at = max(self._free_at, at)
         else:
             rate = self.rate * EASE

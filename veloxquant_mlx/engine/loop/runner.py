@@ -300,6 +300,12 @@ class Runner:
             if done.launch is not None:
                 clock.learn(done.launch, end - start, end)
 
+    def restart_join_clock(self) -> None:
+        """Forget what the join clock learned (after the warm-up, whose forwards paid the
+        kernels' first compiles)."""
+        if self._clock is not None:
+            self._clock = JoinClock()
+
     def waiting_to_join(self) -> int:
         """Rows prefilled and not yet joined."""
         return sum(len(p.joins) for p in self._pending)
