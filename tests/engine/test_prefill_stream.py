@@ -105,7 +105,8 @@ def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine)
             box["engine"].cancel(box["long"])
 
     engine = make_engine(
-        kv_cache_mb=32, prefill_budget=32, prefill_stream="on", step_hook=hook
+        kv_cache_mb=32, prefill_budget=32, prefill_stream="on", prefill_join="ready",
+        step_hook=hook,
     )  # fmt: skip
     box["engine"] = engine
     rng = random.Random(7)
@@ -149,8 +150,8 @@ def test_join_clock_guesses_from_the_reads():
 
 
 def test_bad_join_values_are_refused():
-    assert prefill_join(EngineConfig()) is True
-    assert prefill_join(EngineConfig(prefill_join="now")) is False
+    assert prefill_join(EngineConfig()) is False
+    assert prefill_join(EngineConfig(prefill_join="ready")) is True
     with pytest.raises(ValueError, match="prefill_join"):
         prefill_join(EngineConfig(prefill_join="later"))
 
@@ -175,6 +176,4 @@ def test_the_paged_layout_keeps_one_stream(make_engine, caplog):
         dense = make_engine(kv_cache_mb=32, prefill_stream="on")
     assert dense._core.runner._own_stream is True
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert ready and "on a stream of its own, rows joining when it is done, prefix" in ready[0], (
-        ready
-    )
+    assert ready and "on a stream of its own, prefix caching" in ready[0], ready

@@ -69,9 +69,9 @@ class EngineConfig:
     # (the measured best per backend: on with CUDA; model/choices.py's PREFILL_STREAM).
     prefill_stream: str = "auto"
     # With prefill on its own stream, when a prefilled row joins the batch (loop/join_clock.py):
-    # "ready" (the first step built once its prefill is probably done on the device), "now"
-    # (the step built with its last chunk, which then waits for that chunk).
-    prefill_join: str = "ready"
+    # "now" (the step built with its last chunk, which then waits for that chunk), "ready"
+    # (the first step built once its prefill is probably done on the device).
+    prefill_join: str = "now"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

@@ -64,8 +64,9 @@ def prefill_stream(cfg: EngineConfig, keeps_pages: bool = False, grouped: bool =
 
 
 def prefill_join(cfg: EngineConfig) -> bool:
-    """Whether a prefilled row joins once its prefill is probably done (``ready``), where
-    prefill runs on a stream of its own (elsewhere the step queues behind it either way)."""
+    """Whether a prefilled row joins once its prefill is probably done (``ready``; ``now``,
+    the default, joins it to the step built with its last chunk), where prefill runs on a
+    stream of its own (elsewhere the step queues behind the prefill either way)."""
     if cfg.prefill_join not in ("ready", "now"):
         raise ValueError(f"prefill_join must be ready or now, got {cfg.prefill_join!r}")
     return cfg.prefill_join == "ready"
