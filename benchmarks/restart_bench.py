@@ -2,14 +2,18 @@
 
     python -m benchmarks.restart_bench [--model embedded|100m | --model-path DIR]
         [--context-words 450] [--new-words 30] [--repeats 3] [--ours-args "..."] [--logs DIR]
+        [--in-memory]
 
 For each repeat: a server with ``--prefix-cache-dir`` (a fresh directory) answers a chat of
 ``--context-words`` words (streamed, greedy, 32 tokens) and is stopped with SIGTERM (a clean
 stop writes its cached pages); a new server on the same directory gets the next turn (the
 conversation, the answer and ``--new-words`` more); a server without the directory gets the same
 turn cold. It reports both TTFTs, their ratio (target: restarted <= 1/3 of cold), the tokens the
-restarted server found cached, and that both answers are the same tokens. Every server is
-stopped by pid.
+restarted server found cached, and that both answers are the same tokens. ``--in-memory``
+adds a control: one server (no directory) answers the first turn and then the next, which
+finds the conversation in its prefix cache in memory; its TTFT and whether its answer is the
+cold one's (a difference there too is the reused pages' numerics, not the disk). Every server
+is stopped by pid.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ours-args", default="", help="extra flags for every server")
     p.add_argument("--logs", help="keep the servers' logs in this directory")
+    p.add_argument("--in-memory", action="store_true", help="add the same-server control")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-restart-"))
     logs = Path(args.logs) if args.logs else work
@@ -99,9 +104,17 @@ def main() -> None:
             port, ctx = start([], "cold")
             with ctx:
                 runs["cold"], cold_answer, _ = _chat(f"http://127.0.0.1:{port}", follow)
-            rows.append((runs, cached, warm_answer == cold_answer))
-            print(f"repeat {rep}: {runs}, cached {cached}, same {warm_answer == cold_answer}",
-                  file=sys.stderr)  # fmt: skip
+            kept_same = None
+            if args.in_memory:
+                port, ctx = start([], "kept")
+                with ctx:
+                    base = f"http://127.0.0.1:{port}"
+                    _chat(base, messages)
+                    runs["kept"], kept_answer, _ = _chat(base, follow)
+                kept_same = kept_answer == cold_answer
+            rows.append((runs, cached, warm_answer == cold_answer, kept_same))
+            print(f"repeat {rep}: {runs}, cached {cached}, same {warm_answer == cold_answer}, "
+                  f"in memory same {kept_same}", file=sys.stderr)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cold = statistics.median(r[0]["cold"] for r in rows)
@@ -114,6 +127,12 @@ def main() -> None:
         f"| restarted on --prefix-cache-dir | {warm:.0f} | {warm / cold:.2f} | "
         f"{statistics.median(r[1] for r in rows):.0f} | {all(r[2] for r in rows)} |"
     )
+    if args.in_memory:
+        kept = statistics.median(r[0]["kept"] for r in rows)
+        print(
+            f"| the same server, cached in memory (control) | {kept:.0f} | {kept / cold:.2f} "
+            f"| - | {all(r[3] for r in rows)} |"
+        )
 
 
 if __name__ == "__main__":
