@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 
 from veloxquant_mlx import __version__
@@ -152,6 +154,16 @@ def create_app(
                 "serving %s on the block pool (%d blocks of %d slots, streams %s)",
                 name, pool.stats.n_blocks, pool.block_size, "/".join(pool.total),
             )  # fmt: skip
+        # A streamed response's first task group imports anyio's asyncio backend: here, not
+        # beside a fresh server's first request (there, contending with the engine's first
+        # steps, it delayed that request's first token ~100 ms on a 2-core machine).
+        async with anyio.create_task_group():
+            pass
+        # Every object made so far (the model, the tokenizer, the app) out of the cyclic
+        # collector's way: its first full collection, over all of them, made a fresh server's
+        # second request 1.7-2x slower than the rest on this CPU (benchmarks.first_request).
+        gc.collect()
+        gc.freeze()
         watcher = asyncio.create_task(watch(eng))
         try:
             yield

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -121,6 +122,8 @@ class Bridge:
             self.send(LoadError(type(exc).__name__, str(exc)))
             return
         assert engine.info is not None
+        gc.collect()  # the loaded heap out of the cyclic collector's way (server/app.py)
+        gc.freeze()
         self.send(Ready(engine.info))
         threading.Thread(target=self._watch, name="veloxquant-engine-watch", daemon=True).start()
         try:
