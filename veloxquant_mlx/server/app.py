@@ -160,7 +160,8 @@ def create_app(
         async with anyio.create_task_group():
             pass
         # Every object made so far (the model, the tokenizer, the app) out of the cyclic
-        # collector's way: its first full collection, over all of them, made a fresh server's
+        # collector's way while the app serves (back at its end, for a process that makes
+        # more apps): its first full collection, over all of them, made a fresh server's
         # second request 1.7-2x slower than the rest on this CPU (benchmarks.first_request).
         gc.collect()
         gc.freeze()
@@ -178,6 +179,7 @@ def create_app(
             if disk_dir is not None:
                 n = await asyncio.to_thread(app.state.vq.answers.save, disk_dir, vocab)
                 log.info("remembered answers: %d written to the prefix cache's directory", n)
+            gc.unfreeze()
 
     app = FastAPI(
         title="veloxquant-mlx serve",
