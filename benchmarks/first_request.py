@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.compare import blas_envs, model_dir
-from benchmarks.restart_bench import _chat
+from benchmarks.restart_bench import stream_chat
 from loadtest.proc import free_port, server
 
 
@@ -51,7 +51,8 @@ def main() -> None:
                 for i in range(args.requests):
                     words = " ".join(rng.choice(vocab) for _ in range(args.words))
                     messages = [{"role": "user", "content": f"{rep}.{i} {words}"}]
-                    ttft, _, cached = _chat(f"http://127.0.0.1:{port}", messages, max_tokens=8)
+                    base = f"http://127.0.0.1:{port}"
+                    ttft, _, cached = stream_chat(base, messages, max_tokens=8)
                     ttfts[i].append(ttft)
                     hits[i].append(cached)
             times = ", ".join(f"{t[-1]:.0f}" for t in ttfts)

@@ -34,7 +34,7 @@ from benchmarks.compare import blas_envs, model_dir
 from loadtest.proc import free_port, server
 
 
-def _chat(base: str, messages: list[dict], max_tokens: int = 32) -> tuple[float, str, int]:
+def stream_chat(base: str, messages: list[dict], max_tokens: int = 32) -> tuple[float, str, int]:
     """(TTFT in ms, the answer, usage.prompt_tokens_details.cached_tokens) of one stream."""
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -94,23 +94,24 @@ def main() -> None:
 
             port, ctx = start(["--prefix-cache-dir", str(disk)], "first")
             with ctx:
-                runs["first"], answer, _ = _chat(f"http://127.0.0.1:{port}", messages)
+                runs["first"], answer, _ = stream_chat(f"http://127.0.0.1:{port}", messages)
             more = " ".join(rng.choice(vocab) for _ in range(args.new_words))
             follow = [*messages, {"role": "assistant", "content": answer},
                       {"role": "user", "content": more}]  # fmt: skip
             port, ctx = start(["--prefix-cache-dir", str(disk)], "restarted")
             with ctx:
-                runs["restarted"], warm_answer, cached = _chat(f"http://127.0.0.1:{port}", follow)
+                base = f"http://127.0.0.1:{port}"
+                runs["restarted"], warm_answer, cached = stream_chat(base, follow)
             port, ctx = start([], "cold")
             with ctx:
-                runs["cold"], cold_answer, _ = _chat(f"http://127.0.0.1:{port}", follow)
+                runs["cold"], cold_answer, _ = stream_chat(f"http://127.0.0.1:{port}", follow)
             kept_same = None
             if args.in_memory:
                 port, ctx = start([], "kept")
                 with ctx:
                     base = f"http://127.0.0.1:{port}"
-                    _chat(base, messages)
-                    runs["kept"], kept_answer, _ = _chat(base, follow)
+                    stream_chat(base, messages)
+                    runs["kept"], kept_answer, _ = stream_chat(base, follow)
                 kept_same = kept_answer == cold_answer
             rows.append((runs, cached, warm_answer == cold_answer, kept_same))
             print(f"repeat {rep}: {runs}, cached {cached}, same {warm_answer == cold_answer}, "

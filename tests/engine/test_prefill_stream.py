@@ -46,7 +46,7 @@ def _serve(
         if not isinstance(runner.model, _Streams):
             box["spy"] = runner.model = _Streams(runner.model)
         if rate is not None:
-            runner._clock.rate = rate
+            runner._joins.clock.rate = rate
 
     engine = make_engine(
         kv_cache_mb=32, prefill_budget=32, prefix_caching=False, prefill_stream=mode,
@@ -99,7 +99,7 @@ def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine)
 
     def hook() -> None:  # engine thread: the clock never calls a prefill done
         runner = box["engine"]._core.runner
-        runner._clock.rate = 1.0
+        runner._joins.clock.rate = 1.0
         if runner.waiting_to_join() and "long" in box and not box.get("cancelled"):
             box["cancelled"] = True
             box["engine"].cancel(box["long"])

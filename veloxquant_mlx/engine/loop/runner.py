@@ -21,7 +21,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from veloxquant_mlx.engine.loop.join_clock import JoinClock, Launch
+from veloxquant_mlx.engine.loop.join_clock import Launch
+from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -84,16 +85,6 @@ class Sampled:
     drawn: Drawn  # the tokens, their logprobs when a row asked, the sampler's carried state
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A prefill done (as launched) whose rows wait to join the batch until it is probably done
-    on the device (``JoinClock``): its first tokens, and each row's KV per layer."""
-
-    sampled: Sampled
-    joins: list[tuple[Seq, list[tuple[mx.array, mx.array]]]]
-    launch: Launch | None  # None: on the decode steps' stream
-
-
 class Runner:
     """Runs the model over the batch. Owns the batch's rows (in row order) and the KV memory.
 
@@ -131,10 +122,7 @@ class Runner:
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
         self._own_stream = prefill_stream
         self._stream: mx.Stream | None = None  # the prefill's, once made
-        self._clock = JoinClock() if prefill_stream and join_when_ready else None
-        self._pending: list[_Pending] = []  # prefilled, not yet joined (oldest first)
-        self._joined_now: list[_Pending] = []  # joined this step; ``settle`` reads them
-        self.late_joins = 0  # rows that joined a step after their last chunk's
+        self._joins = JoinQueue() if prefill_stream and join_when_ready else None
 
     def _prefill_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where a prefill forward and its first token run: its own stream, or the default."""
@@ -186,7 +174,7 @@ class Runner:
             sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
             layers = _filled(state.caches)
         state.next_input = sampled.tokens
-        return self._complete(_Pending(sampled, [(seq, layers)], launch))
+        return self._complete(Prefilled(sampled, [(seq, layers)], launch))
 
     def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
         """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
@@ -241,74 +229,61 @@ class Runner:
                 ]
                 joins.append((seq, rows))
                 row_state(seq).next_input = sampled.tokens[i : i + 1]
-        return self._complete(_Pending(sampled, joins, launch))
+        return self._complete(Prefilled(sampled, joins, launch))
 
     # ------------------------------------------------------------------ joining the batch
 
     def _launched(self, n_tokens: int) -> Launch | None:
         """A prefill forward of ``n_tokens`` is launched: when it should be done."""
-        return None if self._clock is None else self._clock.launched(n_tokens)
+        return None if self._joins is None else self._joins.clock.launched(n_tokens)
 
-    def _complete(self, done: _Pending) -> Sampled | None:
+    def _complete(self, done: Prefilled) -> Sampled | None:
         """A prefill's last forward is launched: its rows join the batch now, or, where rows
         decode beside a prefill on its own stream, once it is probably done (``_due``): the
         prefix cache gets its pages now either way (copied on the prefill's stream, so that
         no decode step waits for them). Returns the first tokens when they joined now."""
         mx.async_eval(done.sampled.tokens)
-        if done.launch is None or not any(r is not None for r in self.rows):
+        if self._joins is None or not any(r is not None for r in self.rows):
             for seq, layers in done.joins:
                 self._join(seq, layers)
-            if self._clock is not None:
-                self._joined_now.append(done)
+            if self._joins is not None:
+                self._joins.joined_now(done)
             return done.sampled
         with self._prefill_stream():
             for seq, layers in done.joins:
                 row_state(seq).caches = None
                 if self.on_join is not None:
                     self.on_join(seq, layers)
-        self._pending.append(done)
+        self._joins.hold(done)
         return None
 
     def _due(self) -> list[Sampled]:
-        """Join the rows of the prefills probably done by now (all of them when no row
-        decodes: nobody's step would wait); their first tokens."""
-        if not self._pending:
+        """Join the rows of the prefills probably done by now; their first tokens."""
+        if self._joins is None:
             return []
-        clock = self._clock
-        assert clock is not None
-        decoding = any(r is not None for r in self.rows)
-        due = [p for p in self._pending if not decoding or p.launch is None or clock.due(p.launch)]
+        due = self._joins.take_due(any(r is not None for r in self.rows))
         for done in due:
-            self._pending.remove(done)
             for seq, layers in done.joins:
                 self._join(seq, layers, cache_pages=False)
-            self.late_joins += len(done.joins)
-        self._joined_now.extend(due)
         return [p.sampled for p in due]
 
     def settle(self) -> None:
-        """After the step is launched: wait for the first tokens of the rows that joined it,
-        timing the wait for ``JoinClock`` (a wait means a late guess: the step waited too)."""
-        joined, self._joined_now = self._joined_now, []
-        clock = self._clock
-        if clock is None or not joined:
-            return
-        start = clock.clock()
-        mx.eval([p.sampled.tokens for p in joined])
-        end = clock.clock()
-        for done in joined:
-            if done.launch is not None:
-                clock.learn(done.launch, end - start, end)
+        """After the step is launched: read the first tokens of the rows that joined it
+        (``JoinQueue.settle``)."""
+        if self._joins is not None:
+            self._joins.settle()
 
     def restart_join_clock(self) -> None:
-        """Forget what the join clock learned (after the warm-up, whose forwards paid the
-        kernels' first compiles)."""
-        if self._clock is not None:
-            self._clock = JoinClock()
+        if self._joins is not None:
+            self._joins.restart_clock()
+
+    @property
+    def late_joins(self) -> int:
+        """Rows that joined a step after their last chunk's."""
+        return 0 if self._joins is None else self._joins.late
 
     def waiting_to_join(self) -> int:
-        """Rows prefilled and not yet joined."""
-        return sum(len(p.joins) for p in self._pending)
+        return 0 if self._joins is None else self._joins.waiting()
 
     def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
         """A span as the layout stores the server's own format (``kv.codec``; what the disk
@@ -487,7 +462,8 @@ class Runner:
             return
         state.caches = None
         if not state.joined:
-            self._forget_pending(seq)
+            if self._joins is not None:
+                self._joins.forget(seq)
             return
         state.joined = False
         slot = self.rows.index(seq)
@@ -501,15 +477,6 @@ class Runner:
             self.kv.clear()
             self._last = None
             self._sampler = None
-
-    def _forget_pending(self, seq: Seq) -> None:
-        """``seq`` leaves before it joined: out of its prefill's joins, a hole in its first
-        tokens (a preempted request is read back nothing: it prefills again)."""
-        for done in self._pending:
-            if any(s is seq for s, _ in done.joins):
-                done.joins = [(s, layers) for s, layers in done.joins if s is not seq]
-                done.sampled.seqs = [None if s is seq else s for s in done.sampled.seqs]
-        self._pending = [p for p in self._pending if p.joins]
 
 
 def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
