@@ -87,6 +87,15 @@ class Settings(BaseSettings):
         ge=16,
         description="Prompt tokens prefilled per step at most while no request decodes.",
     )
+    prefill_stall_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="Move the prefill budget, between a quarter of --prefill-budget and all of "
+        "it, so that a step carrying prefill beside decoding requests takes at most about this "
+        "many times a step of decoding alone (their inter-token gap); 0: a fixed budget; unset: "
+        "the measured choice per backend (2.5 on a GPU, fixed on a CPU).",
+    )
     warm_up: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run the batch sizes and prefill shapes the engine will meet before /ready "
@@ -386,6 +395,11 @@ class Settings(BaseSettings):
         bad = [f for f in self.kv_format_list if f not in known]
         if bad:
             raise ValueError(f"--kv-formats takes {', '.join(known)}; got {', '.join(bad)}")
+        if self.prefill_stall_ratio is not None and 0 < self.prefill_stall_ratio < 1:
+            raise ValueError(
+                "--prefill-stall-ratio must be 0 (a fixed budget) or at least 1 (a step with "
+                f"prefill is never shorter than one without), got {self.prefill_stall_ratio}"
+            )
         if self.max_blocks is not None and self.grow_on_exhaustion:
             floor = self.n_blocks or 0
             if self.max_blocks < floor:

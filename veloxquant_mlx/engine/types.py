@@ -230,6 +230,7 @@ class StepSnapshot:
     prefix_disk_dropped_total: int = 0  # pages not written (the writer behind, a failed write)
     prefix_disk_skipped_total: int = 0  # files refused at load (corrupt, foreign)
     waiting_tokens: int = 0  # prompt tokens the waiting requests still have to prefill
+    prefill_budget: int = 0  # prompt tokens a step carries at most beside decoding rows, now
     # False once a shrink left the pool unable to hold the smallest request the engine was
     # started to serve (``EngineConfig.min_request_tokens``): /ready then answers 503
     holds_a_request: bool = True

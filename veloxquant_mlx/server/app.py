@@ -52,6 +52,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_step=settings.prefill_step,
         prefill_budget=settings.prefill_budget,
         idle_prefill_budget=settings.idle_prefill_budget,
+        prefill_stall_ratio=settings.prefill_stall_ratio,
         warm_up=settings.warm_up,
         warm_up_context=settings.warm_up_context,
         kv_layout=settings.kv_layout,

@@ -165,6 +165,12 @@ class EngineCollector(Collector):
                 "working set).",
                 stats.kv_working_bytes,
             )
+            yield _gauge(
+                "veloxquant_prefill_budget_tokens",
+                "Prompt tokens a step carries at most beside decoding requests, as the engine "
+                "last set it (--prefill-budget, moved under --prefill-stall-ratio).",
+                stats.prefill_budget,
+            )
             yield _counter(
                 "veloxquant_preemptions_total",
                 "Requests preempted (blocks freed, recomputed later) when the pool ran out.",

@@ -26,6 +26,7 @@ PHASES = ("schedule", "prefill", "build", "launch", "read back")
 class TurnClock:
     def __init__(self) -> None:
         self._marks: list[float] = []
+        self._last_end = time.perf_counter()
 
     def start(self) -> None:
         self._marks = [time.perf_counter()]
@@ -33,6 +34,13 @@ class TurnClock:
     def mark(self) -> None:
         """The end of the next phase (``PHASES``, in order)."""
         self._marks.append(time.perf_counter())
+
+    def gap(self) -> float:
+        """Seconds from the previous turn's end to this one's: the gap a decoding stream saw
+        between two tokens."""
+        end = self._marks[-1]
+        gap, self._last_end = end - self._last_end, end
+        return gap
 
     def report(self, rows: int, plan: StepPlan) -> None:
         """Log the turn if it was slow: total and per-phase milliseconds, the decoding rows,
@@ -47,7 +55,7 @@ class TurnClock:
             f"{name} {1000 * (b - a):.0f}"
             for name, a, b in zip(PHASES, marks, marks[1:], strict=False)
         )
-        tokens = sum(c.n for c in plan.chunks) + sum(len(s.tokens) for s in plan.together)
+        tokens = plan.prompt_tokens
         log.debug(
             "slow step: %.0f ms (%s); %d rows decoding, %d prompt tokens prefilled "
             "(%d chunks, %d prompts together)",

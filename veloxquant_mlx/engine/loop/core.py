@@ -266,6 +266,8 @@ class EngineCore:
             self._absorb(sampled)
         clock.mark()
         clock.report(len(runner.rows), plan)
+        decoding = sum(row is not None for row in runner.rows)
+        sched.budget.observe(clock.gap(), plan.prompt_tokens, decoding)
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()
@@ -305,6 +307,7 @@ class EngineCore:
                 self._turn()
         hits = 0 if cache is None else cache.counts.hits
         self.runner.restart_join_clock()
+        self.scheduler.budget.reset()
         self.scheduler.reset_cache()
         sched.disk = hooks[0]
         if cache is not None:

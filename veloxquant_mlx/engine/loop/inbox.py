@@ -68,6 +68,7 @@ def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> Step
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
+        prefill_budget=sched.prefill_budget,
         holds_a_request=holds_a_request,
         **extra,
     )

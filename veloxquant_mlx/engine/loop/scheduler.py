@@ -22,6 +22,7 @@ from typing import Any
 from veloxquant_mlx.engine.loop import lookup
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.lookup import DiskReads
+from veloxquant_mlx.engine.loop.prefill_budget import PrefillBudget
 from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
@@ -48,6 +49,7 @@ class Scheduler:
         prefill_step: int = 512,
         prefill_budget: int = 512,
         idle_prefill_budget: int = 2048,
+        stall_ratio: float = 0.0,
         answers_up_to: int | None = None,
         kv_format: str = "fp16",
         windows: dict[str, int] | None = None,
@@ -63,8 +65,9 @@ class Scheduler:
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_step = prefill_step  # prompt tokens per forward at most
-        self.prefill_budget = prefill_budget  # prompt tokens per step at most, rows decoding
-        self.idle_prefill_budget = max(prefill_budget, idle_prefill_budget)  # none decoding
+        # Prompt tokens per step at most, rows decoding (moved by measurement under a stall
+        # ratio: prefill_budget.py) and none decoding (``idle``)
+        self.budget = PrefillBudget(prefill_budget, idle_prefill_budget, stall_ratio)
         # Cache a leaving row's generated pages too (``cache_generated``) while at most this
         # many requests run (None: always); ``row_pages`` is set by the engine to the runner's
         # (the scheduler runs no MLX).
@@ -81,6 +84,14 @@ class Scheduler:
         self.running: list[Seq] = []
         self.max_block_id = -1  # the highest block id ever handed out (sizes the paged store)
         self.preemptions = 0
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.budget.tokens
+
+    @property
+    def idle_prefill_budget(self) -> int:
+        return self.budget.idle
 
     # ------------------------------------------------------------------ blocks
 

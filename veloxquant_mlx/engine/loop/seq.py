@@ -96,3 +96,8 @@ class StepPlan:
     grown: list[tuple[Seq, int]] = field(default_factory=list)  # (seq, blocks it had)
     together: list[Seq] = field(default_factory=list)  # short fresh prompts, one forward
     chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens this step prefills (its chunks and its prompts together)."""
+        return sum(c.n for c in self.chunks) + sum(len(s.tokens) for s in self.together)

@@ -18,6 +18,13 @@ log = logging.getLogger("veloxquant.engine")
 # --prefill-budget is unset (DESIGN-NOTES.md, "Prefill beside decoding").
 PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
+# Under --prefill-stall-ratio unset, per backend: a step carrying prefill beside decoding rows
+# takes at most about this many times a decode-only step, the budget moving between a quarter
+# of --prefill-budget and all of it (DESIGN-NOTES.md, "The prefill budget follows the steps");
+# 0: fixed. On a CPU a prompt's forward is necessarily many decode steps long (the budget is
+# already the smallest that keeps a long prompt's prefill going), so it stays fixed there.
+PREFILL_STALL_RATIO = {"cpu": 0.0, "gpu": 2.5}
+
 
 # In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
 # while at most this many requests run: each copy out of the working set makes the next step
@@ -76,3 +83,9 @@ def prefill_budget(cfg: EngineConfig) -> int:
     if cfg.prefill_budget is not None:
         return cfg.prefill_budget
     return PREFILL_BUDGET["cpu" if mx.default_device() == mx.cpu else "gpu"]
+
+
+def prefill_stall_ratio(cfg: EngineConfig) -> float:
+    if cfg.prefill_stall_ratio is not None:
+        return cfg.prefill_stall_ratio
+    return PREFILL_STALL_RATIO["cpu" if mx.default_device() == mx.cpu else "gpu"]

@@ -21,6 +21,7 @@ from veloxquant_mlx.engine.model.choices import (
     answers_up_to,
     prefill_budget,
     prefill_join,
+    prefill_stall_ratio,
     prefill_stream,
 )
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
@@ -355,6 +356,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_step=cfg.prefill_step,
         prefill_budget=prefill_budget(cfg),
         idle_prefill_budget=cfg.idle_prefill_budget,
+        stall_ratio=prefill_stall_ratio(cfg),
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
         kv_format=codec.name,
         windows=windows,
