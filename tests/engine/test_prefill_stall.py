@@ -138,20 +138,20 @@ def test_chunks_that_slow_the_streams_bring_the_budget_down_with_the_same_tokens
     assert min(budgets) >= 16  # the floor: a quarter of the cap
 
 
-def test_with_prefill_in_every_step_the_budget_goes_back_to_the_cap():
-    # many clients: a prompt arrives every step, so no step of this batch size is decode-only
+def test_with_many_rows_or_no_reference_the_budget_goes_back_to_the_cap():
     budget = PrefillBudget(512, 2048, ratio=2.5)
     _decode_only(budget, 2 * MS)  # 2 rows decoding: 2 ms
     budget.observe(50 * MS, 512, 2)
     assert budget.tokens == 256
-    for _ in range(10):
-        budget.observe(150 * MS, 128, 100)  # 100 rows, a chunk every step: no reference
-    assert budget.tokens == 512
-    _decode_only(budget, 30 * MS, 3, rows=100)  # decode-only steps of 100 rows: one now
-    budget.observe(60 * MS, 512, 100)
-    assert budget.tokens == 512  # 2x: within 2.5x
-    budget.observe(150 * MS, 512, 100)  # 5x: halved
-    assert budget.tokens == 256
+    for _ in range(2):
+        budget.observe(50 * MS, 128, 12)  # 12 rows, a chunk every step: no reference
+    assert budget.tokens == 384
+    _decode_only(budget, 10 * MS, 3, rows=12)  # decode-only steps of 12 rows: one now
+    budget.observe(60 * MS, 384, 12)  # 6x: halved
+    assert budget.tokens == 192
     for _ in range(300):  # the reference is forgotten after 256 turns without one
-        budget.observe(150 * MS, 64, 100)
+        budget.observe(150 * MS, 64, 12)
+    assert budget.tokens == 512
+    _decode_only(budget, 30 * MS, 3, rows=100)
+    budget.observe(300 * MS, 512, 100)  # many clients: the cap, whatever the step
     assert budget.tokens == 512
