@@ -6,6 +6,7 @@ under its cap."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -311,4 +312,36 @@ def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_pat
     assert len(skipped) == 1 and "CRC" in skipped[0]
     assert cached == 0 and restarted.stats().prefix_disk_hits_total == 0
     assert got == want
+    wait_idle(restarted)
+
+
+def _page_index(path, prompt: list[int]) -> int:
+    """Which page of ``prompt`` a file holds (its tokens, from its safetensors metadata)."""
+    data = path.read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    tokens = json.loads(header["__metadata__"]["tokens"])
+    return next(i for i in range(len(prompt) // BS) if prompt[i * BS : (i + 1) * BS] == tokens)
+
+
+def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
+    """The files of a run are read by several threads at once: the pages before a bad one are
+    served, it and those after are not, and the tokens are a cold prefill's."""
+    rng = random.Random(9)
+    prompt = words(rng, 8 * BS + 1)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    want, _ = turn(first, prompt)
+    first.shutdown(5)
+    by_page = {_page_index(f, prompt): f for f in files(tmp_path) if _page_index(f, prompt) < 8}
+    assert sorted(by_page) == list(range(8))
+    data = bytearray(by_page[5].read_bytes())
+    data[-1] ^= 0x40  # KV bytes past the header: its CRC fails
+    by_page[5].write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        got, cached = turn(restarted, prompt)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "CRC" in skipped[0]
+    assert cached == 5 * BS and restarted.stats().prefix_disk_hits_total == 5
+    assert got == want
+    assert not by_page[5].exists() and by_page[6].exists()  # only the bad file is removed
     wait_idle(restarted)

@@ -88,7 +88,7 @@ def test_a_fixed_budget_never_moves():
 
 
 def test_the_ratio_per_backend_and_as_set():
-    assert prefill_stall_ratio(EngineConfig()) == 0.0  # this CPU: fixed (the GPU default 2.5)
+    assert prefill_stall_ratio(EngineConfig()) == 0.0  # fixed by default
     assert prefill_stall_ratio(EngineConfig(prefill_stall_ratio=3.0)) == 3.0
     with pytest.raises(ValueError, match="prefill-stall-ratio"):
         Settings(prefill_stall_ratio=0.5)

@@ -93,8 +93,9 @@ class Settings(BaseSettings):
         le=100,
         description="Move the prefill budget, between a quarter of --prefill-budget and all of "
         "it, so that a step carrying prefill beside decoding requests takes at most about this "
-        "many times a step of decoding alone (their inter-token gap); 0: a fixed budget; unset: "
-        "the measured choice per backend (2.5 on a GPU, fixed on a CPU).",
+        "many times a step of decoding alone (their inter-token gap), while at most 16 requests "
+        "decode; 0 or unset: a fixed budget (measured better for agent turns; "
+        "docs/configuration.md).",
     )
     warm_up: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -31,7 +31,7 @@ class EngineConfig:
     idle_prefill_budget: int = 2048
     # Move the budget (between a quarter of it and all of it) so that a step carrying prefill
     # takes at most about this many times a decode-only step (loop/prefill_budget.py); 0: a
-    # fixed budget; None: the measured choice per backend (model/choices.py).
+    # fixed budget; None: the measured choice per backend (model/choices.py: fixed).
     prefill_stall_ratio: float | None = None
     # Run the shapes the engine will meet before it is ready (loop/warmup.py), so that no
     # request pays a kernel compile: "on", "off", or "auto" (on a GPU). Not in a group (the

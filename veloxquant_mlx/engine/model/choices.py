@@ -20,10 +20,12 @@ PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
 # Under --prefill-stall-ratio unset, per backend: a step carrying prefill beside decoding rows
 # takes at most about this many times a decode-only step, the budget moving between a quarter
-# of --prefill-budget and all of it (DESIGN-NOTES.md, "The prefill budget follows the steps");
-# 0: fixed. On a CPU a prompt's forward is necessarily many decode steps long (the budget is
-# already the smallest that keeps a long prompt's prefill going), so it stays fixed there.
-PREFILL_STALL_RATIO = {"cpu": 0.0, "gpu": 2.5}
+# of --prefill-budget and all of it; 0: fixed (DESIGN-NOTES.md, "The prefill budget beside
+# decoding"). Fixed on both: on an H100, 2.5 made the agent benchmark's inter-token p99
+# 0.71-0.84x a fixed budget's but its TTFT p50 1.23-1.41x and its throughput 0.87-0.98x, what
+# an agent's turn costs; on a CPU a prompt's forward is many decode steps long whatever the
+# budget (64 is already the smallest that keeps a long prompt going).
+PREFILL_STALL_RATIO = {"cpu": 0.0, "gpu": 0.0}
 
 
 # In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
