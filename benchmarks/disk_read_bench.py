@@ -1,10 +1,11 @@
 """How fast the prefix cache's disk tier reads a run of pages back (``--prefix-cache-dir``):
 ``--pages`` pages of a model's KV geometry written by the tier's writer, then read by a fresh
-tier (as after a restart) with each number of reading threads in ``--readers``; the files are
-in the OS page cache, as in ``benchmarks.restart_bench``. Reports the read (files checked and
-joined, on the reader) and the engine's take of the run (``run_kv``, evaluated), medians.
+tier (as after a restart), ``--repeats`` times; the files were just written, as in
+``benchmarks.restart_bench``. Reports the read (files checked and joined, on the reader
+thread) and the engine's take of the run (``run_kv``, evaluated), medians.
 
-    python -m benchmarks.disk_read_bench --pages 395 --readers 1,8
+    python -m benchmarks.disk_read_bench --pages 395
+    python -m benchmarks.disk_read_bench --pages 395 --head-dim 64 --layers 16   # the 1B shape
 
 The defaults are the 8B Llama shape's geometry (32 layers, 8 KV heads of 128, bfloat16): 395
 pages of 16 tokens are the 6,320-token conversation of ``restart_bench`` at 8B, ~2 MB a page.
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.loop import disk_tier
 from veloxquant_mlx.engine.loop.disk_tier import QUEUE_PAGES, DiskTier
 from veloxquant_mlx.engine.loop.prefix_cache import chain
 
@@ -70,7 +70,6 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--readers", default="1,8", help="reading threads to compare")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.pages > QUEUE_PAGES:
@@ -85,15 +84,14 @@ def main() -> None:
         print(
             f"{args.pages} pages of {page_mb:.2f} MiB ({total_mb:.0f} MiB), {mx.default_device()}"
         )
-        print("| reading threads | read ms | GB/s | run_kv + eval ms |")
+        times = [read_once(root, fp, tokens, args, dtype) for _ in range(args.repeats)]
+        read = statistics.median(t[0] for t in times)
+        take = statistics.median(t[1] for t in times)
+        print("| read ms | ms a page | GB/s | run_kv + eval ms |")
         print("|---:|---:|---:|---:|")
-        for readers in [int(r) for r in args.readers.split(",")]:
-            disk_tier.READERS = readers
-            times = [read_once(root, fp, tokens, args, dtype) for _ in range(args.repeats)]
-            read = statistics.median(t[0] for t in times)
-            take = statistics.median(t[1] for t in times)
-            gbs = total_mb * 2**20 / read / 1e9
-            print(f"| {readers} | {1000 * read:.0f} | {gbs:.2f} | {1000 * take:.0f} |")
+        gbs = total_mb * 2**20 / read / 1e9
+        per_page = 1000 * read / args.pages
+        print(f"| {1000 * read:.0f} | {per_page:.2f} | {gbs:.2f} | {1000 * take:.0f} |")
 
 
 if __name__ == "__main__":

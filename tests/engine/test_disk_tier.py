@@ -324,8 +324,8 @@ def _page_index(path, prompt: list[int]) -> int:
 
 
 def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
-    """The files of a run are read by several threads at once: the pages before a bad one are
-    served, it and those after are not, and the tokens are a cold prefill's."""
+    """The pages before a bad file are served, it and those after are not (their chain runs
+    through it), and the tokens are a cold prefill's."""
     rng = random.Random(9)
     prompt = words(rng, 8 * BS + 1)
     first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))

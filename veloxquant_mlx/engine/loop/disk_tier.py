@@ -13,9 +13,8 @@ Writes go through one writer thread with a bounded queue (a full queue drops the
 is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
 that arrives right after its pages were evicted finds them. Reads go through one reader thread
 (``start_read``): a request whose next pages are on disk waits for them outside the engine's
-steps, which go on for everyone else; the reader has ``READERS`` threads check the run's files
-at once, each copying its page into its place in the run's arrays, and the engine thread only
-takes the result (``run_kv``).
+steps, which go on for everyone else; the reader checks each file and joins the run's pages, and
+the engine thread only takes the result (``run_kv``).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from veloxquant_mlx.engine.loop.page_file import (
     SUFFIX,
     arrays_of,
     crcs,
+    join_files,
     layers_of,
     parse,
     part_of,
@@ -53,9 +53,6 @@ from veloxquant_mlx.kv.codec import copy_span, join_spans
 log = logging.getLogger("veloxquant.engine")
 
 QUEUE_PAGES = 1024  # pages waiting for the writer at most
-# Threads that read and check a run's page files at once: an 8B model's page is ~2 MB, and one
-# thread read an H100's restarted 6,320-token conversation (395 files) in 1.56 s
-READERS = min(8, os.cpu_count() or 1)
 TMP = ".tmp"  # a file being written is "<digest>.<pid>.tmp.safetensors" until it is complete
 WARN_EVERY_S = 60.0  # failed writes are logged at most this often
 STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
@@ -125,7 +122,6 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="vq-disk-read")
-        self._files = ThreadPoolExecutor(READERS, thread_name_prefix="vq-disk-file")
         self.on_read: Callable[[], None] = lambda: None  # a read finished (the engine wakes)
         self._trim()
         log.info(
@@ -190,10 +186,8 @@ class DiskTier:
         ]
 
     def refuse(self, digest: bytes, exc: BaseException) -> None:
-        """A page file that cannot be served: one log line, and the file removed (any
-        thread)."""
-        with self._lock:
-            self.skipped += 1
+        """A page file that cannot be served: one log line, and the file removed."""
+        self.skipped += 1
         name = digest.hex()
         log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", reason(exc))
         self._forget(name, unlink=True)
@@ -218,7 +212,6 @@ class DiskTier:
         """Stop the reader; write what is queued (for at most ``timeout`` seconds), then stop
         the writer."""
         self._reader.shutdown(wait=True, cancel_futures=True)
-        self._files.shutdown(wait=True, cancel_futures=True)
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -238,9 +231,14 @@ class DiskTier:
         return run
 
     def _collect(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
-        """The chain's pages from page ``first`` while the tier has them: a page still queued
-        for the writer as its copy, consecutive files read together (``_read_files``)."""
-        found: list[tuple[bytes, list[int], dict[str, mx.array] | None]] = []
+        run = Run(first, 0, [])
+        files: list[dict[str, np.ndarray]] = []  # consecutive pages read, not yet joined
+
+        def flush() -> None:
+            if files:
+                run.segments.append((len(files), join_files(files)))
+                files.clear()
+
         for i in range(first, limit):
             page_tokens = tokens[i * bs : (i + 1) * bs]
             digest = chain(parent, page_tokens)
@@ -248,71 +246,24 @@ class DiskTier:
             with self._lock:
                 pending, on_disk = self._pending.get(name), name in self._index
             if pending is not None and pending[0] == page_tokens:
-                found.append((digest, page_tokens, pending[1]))
+                flush()
+                run.segments.append((1, pending[1]))
             elif on_disk:
-                found.append((digest, page_tokens, None))
+                arrays = self._read_file(digest, page_tokens)
+                if arrays is None:
+                    break
+                files.append(arrays)
             else:
                 break
+            run.n_pages += 1
             parent = digest
-        run = Run(first, 0, [])
-        i = 0
-        while i < len(found):
-            queued = found[i][2]
-            if queued is not None:
-                run.segments.append((1, queued))
-                run.n_pages += 1
-                i += 1
-                continue
-            j = i
-            while j < len(found) and found[j][2] is None:
-                j += 1
-            n, arrays = self._read_files([(d, t) for d, t, _ in found[i:j]], bs)
-            if n:
-                run.segments.append((n, arrays))
-                run.n_pages += n
-            if n < j - i:  # a file failed its checks: the chain ends before it
-                break
-            i = j
+        flush()
         return run
-
-    def _read_files(
-        self, pages: list[tuple[bytes, list[int]]], bs: int
-    ) -> tuple[int, dict[str, mx.array]]:
-        """Consecutive pages' files, read and checked by ``READERS`` threads at once, each
-        copied into its place in one array per part (no joining copy after): how many from the
-        first passed, and their parts joined along the token axis, as MLX arrays."""
-        head = self._read_file(*pages[0])
-        if head is None:
-            return 0, {}
-        n = len(pages)
-        joined = {
-            key: np.empty((*a.shape[:2], n * bs, *a.shape[3:]), a.dtype) for key, a in head.items()
-        }
-
-        def fill(index: int) -> bool:  # a reading thread (zlib and numpy let go of the GIL)
-            arrays = head if index == 0 else self._read_file(*pages[index])
-            if arrays is None:
-                return False
-            try:
-                if arrays.keys() != joined.keys():
-                    raise ValueError("not the first page's arrays")
-                for key, a in arrays.items():
-                    joined[key][:, :, index * bs : (index + 1) * bs] = a
-            except ValueError as exc:  # another shape or dtype than the first page's
-                self.refuse(pages[index][0], exc)
-                return False
-            return True
-
-        done = list(self._files.map(fill, range(n)))
-        good = done.index(False) if False in done else n
-        if good == 0:
-            return 0, {}
-        return good, {key: mx.array(a[:, :, : good * bs]) for key, a in joined.items()}
 
     def _read_file(self, digest: bytes, tokens: list[int]) -> dict[str, np.ndarray] | None:
         """Page ``digest``'s arrays once its file passes ``page_file.parse``'s checks; else
         None (one log line, the file removed). A hit refreshes the file's place in the LRU
-        order. Any reading thread."""
+        order."""
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:

@@ -104,6 +104,16 @@ def arrays_of(layers: list[tuple[Parts, Parts]]) -> dict[str, mx.array]:
     }
 
 
+def join_files(pages: list[dict[str, np.ndarray]]) -> dict[str, mx.array]:
+    """Pages' arrays joined along the token axis, as MLX arrays (a copy, made by the reader
+    thread; nothing is evaluated there)."""
+    return {
+        key: mx.array(np.concatenate([p[key] for p in pages], axis=2) if len(pages) > 1
+                      else pages[0][key])
+        for key in pages[0]
+    }  # fmt: skip
+
+
 def part_of(name: str) -> int:
     """A part's index from its name in a page file (``part_name``)."""
     tail = name.rsplit(".", 1)[1]
