@@ -169,11 +169,11 @@ def test_the_paged_layout_keeps_one_stream(make_engine, caplog):
     # its prefills read cached pages from the blocks decode steps write in place
     with caplog.at_level("INFO", logger="veloxquant.engine"):
         engine = make_engine(kv_cache_mb=32, kv_layout="paged", prefill_stream="on")
-    assert engine._core.runner._own_stream is False
+    assert engine._core.runner.prefills.own_stream is False
     assert any("the paged layout" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level("INFO", logger="veloxquant.engine"):
         dense = make_engine(kv_cache_mb=32, prefill_stream="on")
-    assert dense._core.runner._own_stream is True
+    assert dense._core.runner.prefills.own_stream is True
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
     assert ready and "on a stream of its own, prefix caching" in ready[0], ready

@@ -1,29 +1,30 @@
-"""The model side of the engine: prefill, the batched decode step, sampling. The one module that
+"""The model side of the engine: the batch's rows, prefilled prompts joining them, the batched
+decode step, sampling. With ``prefill.Prefiller`` (the forwards of prompts) the only code that
 runs the model; engine thread only.
 
-A request is prefilled alone, in chunks, into stock mlx_lm caches; then its KV is copied into the
-batch's memory (``kv.paged``: its blocks, or its row of the working set) and it joins the next
-decode step. A step feeds every row its last sampled token at its own position, samples every
-row in one vectorized pass (``request.sampling``), and is evaluated asynchronously: the engine
-reads step ``n``'s tokens while step ``n + 1`` runs, as mlx_lm's BatchGenerator does. A row
-leaves by leaving a hole in its slot (computed, masked, never read) that the next arrival
-fills: nobody's KV moves or is copied when a row joins or leaves.
+A request is prefilled alone, in chunks, into stock mlx_lm caches (``prefill``); then its KV
+is copied into the batch's memory (``kv.paged``: its blocks, or its row of the working set) and
+it joins the next decode step. A step feeds every row its last sampled token at its own
+position, samples every row in one vectorized pass (``request.sampling``), and is evaluated
+asynchronously: the engine reads step ``n``'s tokens while step ``n + 1`` runs, as mlx_lm's
+BatchGenerator does. A row leaves by leaving a hole in its slot (computed, masked, never read)
+that the next arrival fills: nobody's KV moves or is copied when a row joins or leaves.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
-from veloxquant_mlx.engine.loop.seq import Chunk, Seq, StepPlan
+from veloxquant_mlx.engine.loop.prefill import Prefiller
+from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
 from veloxquant_mlx.engine.request.sampling import (
@@ -109,7 +110,6 @@ class Runner:
         prefill_stream: bool = False,
         join_when_ready: bool = False,
     ) -> None:
-        self.model = model
         self.kv = kv
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -120,116 +120,39 @@ class Runner:
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
-        self._own_stream = prefill_stream
-        self._stream: mx.Stream | None = None  # the prefill's, once made
         self._joins = JoinQueue() if prefill_stream and join_when_ready else None
+        self.prefills = Prefiller(
+            model, kv, self._n_layers, prefill_stream, self._sample_first, self._launched
+        )
 
-    def _prefill_stream(self) -> contextlib.AbstractContextManager[Any]:
-        """Where a prefill forward and its first token run: its own stream, or the default."""
-        if not self._own_stream:
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = mx.new_stream(mx.default_device())
-        return mx.stream(self._stream)
+    @property
+    def model(self) -> Any:
+        """The model (the prefiller's: one reference for prefill and decode)."""
+        return self.prefills.model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self.prefills.model = model
 
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, plan: StepPlan) -> list[Sampled]:
-        """Run the plan's prefills: ``together`` in one padded forward, then each chunk.
-        Returns the first tokens of the rows that joined the batch: those of an earlier prefill
-        whose time came (``join_when_ready``), then this step's."""
+        """Run the plan's prefills (``Prefiller``): ``together`` in one padded forward, then
+        each chunk. Returns the first tokens of the rows that joined the batch: those of an
+        earlier prefill whose time came (``join_when_ready``), then this step's."""
         results = self._due()
         if plan.together:
-            first = self.prefill_together(plan.together)
-            if first is not None:
-                results.append(first)
-        for chunk in plan.chunks:
-            first = self.prefill_chunk(chunk)
-            if first is not None:
-                results.append(first)
+            self._completed(self.prefills.together(plan.together), results)
+        for chunk in plan.chunks:  # each completes before the next is built
+            self._completed(self.prefills.chunk(chunk), results)
         return results
 
-    def prefill_chunk(self, chunk: Chunk) -> Sampled | None:
-        """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
-        sample the first token and join the batch (``_complete``: that token's ``Sampled``, or
-        None while the join waits for the device), else None."""
-        seq = chunk.seq
-        state = seq.state
-        assert state is not None
-        if state.caches is None:
-            state.caches = self._start_caches(seq, chunk.start)
-        tokens = seq.tokens[chunk.start : chunk.start + chunk.n]
-        # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
-        # prompt's tokens never see the padding (causal), which is trimmed off the caches after
-        extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
-        launch = self._launched(chunk.n + extra)
-        with self._prefill_stream():
-            logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
-            if extra:
-                for cache in state.caches:
-                    cache.trim(extra)
-            if not chunk.completes:  # the next chunk builds on these: start them now
-                mx.async_eval([(c.keys, c.values) for c in state.caches])
-                return None
-            sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
-            layers = _filled(state.caches)
-        state.next_input = sampled.tokens
-        return self._complete(Prefilled(sampled, [(seq, layers)], launch))
-
-    def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
-        """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
-        with (found at admission): its cached pages', then what the disk tier loaded."""
-        caches = [KVCache() for _ in range(self._n_layers)]
-        for cache in caches:  # how the routed attention takes them (kv.attention)
-            cache.vq_route = self.kv.ragged.prefill_route  # type: ignore[attr-defined]
-        if not n_cached:
-            return caches
-        n_pages = seq.pages.n_known
-        store = self.kv.layout_for(seq.kv_format)
-        layers = store.read_pages(seq.pages.held[:n_pages]) if n_pages else []
-        loaded, seq.preloaded = seq.preloaded, None
-        if loaded is not None:  # as stored on disk (kv.codec): in the model's type for prefill
-            loaded = [(self.decode(k), self.decode(v)) for k, v in loaded]
-            layers = (
-                [
-                    (mx.concatenate([a[0], b[0]], axis=2), mx.concatenate([a[1], b[1]], axis=2))
-                    for a, b in zip(layers, loaded, strict=True)
-                ]
-                if layers
-                else loaded
-            )
-        assert layers[0][0].shape[2] == n_cached, "a prefill starts where its KV ends"
-        for cache, (k, v) in zip(caches, layers, strict=True):
-            cache.keys, cache.values, cache.offset = k, v, k.shape[2]
-        return caches
-
-    def prefill_together(self, seqs: list[Seq]) -> Sampled | None:
-        """Prefill several whole prompts (each at most one chunk) in one left-padded forward,
-        sample their first tokens, and join them to the batch (``_complete``): a burst of
-        arrivals costs one forward instead of one each."""
-        lengths = [len(s.tokens) for s in seqs]
-        width = max(lengths)
-        bucket = self.kv.ragged.prefill_bucket
-        if bucket:  # more left padding, as in a chunk (``prefill_chunk``)
-            width += -width % bucket
-        padding = [width - n for n in lengths]
-        tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
-        caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
-        for cache in caches:
-            cache.vq_route = self.kv.ragged.prefill_route
-        launch = self._launched(width * len(seqs))
-        joins = []
-        with self._prefill_stream():
-            logits = self.model(tokens, cache=caches)[:, -1, :]
-            sampled = self._sample_first(list(seqs), logits)
-            for i, seq in enumerate(seqs):
-                p = padding[i]
-                rows = [
-                    (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
-                ]
-                joins.append((seq, rows))
-                row_state(seq).next_input = sampled.tokens[i : i + 1]
-        return self._complete(Prefilled(sampled, joins, launch))
+    def _completed(self, done: Prefilled | None, results: list[Sampled]) -> None:
+        """A prefill's last forward launched (``done``; None: a chunk with more to come):
+        ``_complete`` it, adding its first tokens to ``results`` where its rows joined."""
+        first = None if done is None else self._complete(done)
+        if first is not None:
+            results.append(first)
 
     # ------------------------------------------------------------------ joining the batch
 
@@ -249,7 +172,7 @@ class Runner:
             if self._joins is not None:
                 self._joins.joined_now(done)
             return done.sampled
-        with self._prefill_stream():
+        with self.prefills.stream():
             for seq, layers in done.joins:
                 row_state(seq).caches = None
                 if self.on_join is not None:
@@ -284,12 +207,6 @@ class Runner:
 
     def waiting_to_join(self) -> int:
         return 0 if self._joins is None else self._joins.waiting()
-
-    def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
-        """A span as the layout stores the server's own format (``kv.codec``; what the disk
-        tier holds), in the model's type."""
-        codec = getattr(self.kv.layout_for(""), "codec", None)
-        return parts[0] if codec is None else codec.decode(parts)
 
     def _join(
         self, seq: Seq, layers: list[tuple[mx.array, mx.array]], cache_pages: bool = True
@@ -477,11 +394,6 @@ class Runner:
             self.kv.clear()
             self._last = None
             self._sampler = None
-
-
-def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
-    """Each prefill cache's keys and values up to its offset."""
-    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
 
 def _sampling(seq: Seq | None) -> RowSampling | None:

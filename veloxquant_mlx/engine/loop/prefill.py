@@ -1,0 +1,157 @@
+"""Prefill forwards (``Prefiller``): a prompt's chunks into stock mlx_lm caches that start from
+its cached and loaded KV, or several short prompts in one left-padded forward, on an MLX stream
+of their own where asked; the prompt's first token is sampled by the runner's sampler. What
+comes out is a ``Prefilled`` (first tokens, each row's KV) for the runner to join to the batch.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from veloxquant_mlx.engine.loop.join_clock import Launch
+from veloxquant_mlx.engine.loop.joins import Prefilled
+from veloxquant_mlx.engine.loop.seq import Chunk, Seq
+from veloxquant_mlx.kv.layout import KVLayout
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.runner import Sampled
+
+
+class Prefiller:
+    """Runs prompts through the model before they join the batch.
+
+    Args:
+        model: The mlx_lm model (the runner's decode steps run it from here too).
+        kv: The batch's layout (its attention route and prefill bucket; the cached pages a
+            prompt starts from).
+        n_layers: The model's caches.
+        own_stream: Run the forwards and their first tokens on a stream of their own (made at
+            the first prefill, on the engine thread: MLX's streams are per thread).
+        sample_first: The runner's sampling of prompts' first tokens from their last logits.
+        launched: A forward of this many tokens is launched: when it should be done (the join
+            clock's), or None.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv: KVLayout,
+        n_layers: int,
+        own_stream: bool,
+        sample_first: Callable[[list[Seq], mx.array], Sampled],
+        launched: Callable[[int], Launch | None],
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self._n_layers = n_layers
+        self.own_stream = own_stream
+        self._stream: mx.Stream | None = None  # the prefill's, once made
+        self._sample_first = sample_first
+        self._launched = launched
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Where a prefill forward and its first token run: its own stream, or the default."""
+        if not self.own_stream:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        return mx.stream(self._stream)
+
+    def chunk(self, chunk: Chunk) -> Prefilled | None:
+        """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
+        its first token sampled and its KV (``Prefilled``), else None."""
+        seq = chunk.seq
+        state = seq.state
+        assert state is not None
+        if state.caches is None:
+            state.caches = self._start_caches(seq, chunk.start)
+        tokens = seq.tokens[chunk.start : chunk.start + chunk.n]
+        # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
+        # prompt's tokens never see the padding (causal), which is trimmed off the caches after
+        extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
+        launch = self._launched(chunk.n + extra)
+        with self.stream():
+            logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
+            if extra:
+                for cache in state.caches:
+                    cache.trim(extra)
+            if not chunk.completes:  # the next chunk builds on these: start them now
+                mx.async_eval([(c.keys, c.values) for c in state.caches])
+                return None
+            sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
+            layers = _filled(state.caches)
+        state.next_input = sampled.tokens
+        return Prefilled(sampled, [(seq, layers)], launch)
+
+    def together(self, seqs: list[Seq]) -> Prefilled:
+        """Prefill several whole prompts (each at most one chunk) in one left-padded forward
+        and sample their first tokens: a burst of arrivals costs one forward instead of one
+        each."""
+        lengths = [len(s.tokens) for s in seqs]
+        width = max(lengths)
+        bucket = self.kv.ragged.prefill_bucket
+        if bucket:  # more left padding, as in a chunk (``chunk``)
+            width += -width % bucket
+        padding = [width - n for n in lengths]
+        tokens = mx.array([[0] * p + s.tokens for p, s in zip(padding, seqs, strict=True)])
+        caches: list[Any] = [BatchKVCache(padding) for _ in range(self._n_layers)]
+        for cache in caches:
+            cache.vq_route = self.kv.ragged.prefill_route
+        launch = self._launched(width * len(seqs))
+        joins = []
+        with self.stream():
+            logits = self.model(tokens, cache=caches)[:, -1, :]
+            sampled = self._sample_first(list(seqs), logits)
+            for i, seq in enumerate(seqs):
+                p = padding[i]
+                rows = [
+                    (c.keys[i : i + 1, :, p:width], c.values[i : i + 1, :, p:width]) for c in caches
+                ]
+                joins.append((seq, rows))
+                assert seq.state is not None
+                seq.state.next_input = sampled.tokens[i : i + 1]
+        return Prefilled(sampled, joins, launch)
+
+    def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
+        """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
+        with (found at admission): its cached pages', then what the disk tier loaded."""
+        caches = [KVCache() for _ in range(self._n_layers)]
+        for cache in caches:  # how the routed attention takes them (kv.attention)
+            cache.vq_route = self.kv.ragged.prefill_route  # type: ignore[attr-defined]
+        if not n_cached:
+            return caches
+        n_pages = seq.pages.n_known
+        store = self.kv.layout_for(seq.kv_format)
+        layers = store.read_pages(seq.pages.held[:n_pages]) if n_pages else []
+        loaded, seq.preloaded = seq.preloaded, None
+        if loaded is not None:  # as stored on disk (kv.codec): in the model's type for prefill
+            loaded = [(self.decode(k), self.decode(v)) for k, v in loaded]
+            layers = (
+                [
+                    (mx.concatenate([a[0], b[0]], axis=2), mx.concatenate([a[1], b[1]], axis=2))
+                    for a, b in zip(layers, loaded, strict=True)
+                ]
+                if layers
+                else loaded
+            )
+        assert layers[0][0].shape[2] == n_cached, "a prefill starts where its KV ends"
+        for cache, (k, v) in zip(caches, layers, strict=True):
+            cache.keys, cache.values, cache.offset = k, v, k.shape[2]
+        return caches
+
+    def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
+        """A span as the layout stores the server's own format (``kv.codec``; what the disk
+        tier holds), in the model's type."""
+        codec = getattr(self.kv.layout_for(""), "codec", None)
+        return parts[0] if codec is None else codec.decode(parts)
+
+
+def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
+    """Each prefill cache's keys and values up to its offset."""
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
