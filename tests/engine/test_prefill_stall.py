@@ -90,6 +90,8 @@ def test_a_fixed_budget_never_moves():
 def test_the_ratio_per_backend_and_as_set():
     assert prefill_stall_ratio(EngineConfig()) == 0.0  # fixed by default
     assert prefill_stall_ratio(EngineConfig(prefill_stall_ratio=3.0)) == 3.0
+    # never in an mx.distributed group: each rank's clock would move its own plans
+    assert prefill_stall_ratio(EngineConfig(prefill_stall_ratio=3.0), grouped=True) == 0.0
     with pytest.raises(ValueError, match="prefill-stall-ratio"):
         Settings(prefill_stall_ratio=0.5)
     assert Settings(prefill_stall_ratio=0).prefill_stall_ratio == 0

@@ -87,7 +87,14 @@ def prefill_budget(cfg: EngineConfig) -> int:
     return PREFILL_BUDGET["cpu" if mx.default_device() == mx.cpu else "gpu"]
 
 
-def prefill_stall_ratio(cfg: EngineConfig) -> float:
+def prefill_stall_ratio(cfg: EngineConfig, grouped: bool = False) -> float:
+    """The stall ratio the scheduler's budget follows (0: fixed). Never in an mx.distributed
+    group (``grouped``): every rank plans each step from the same turns, and a budget moved by
+    each rank's own clock would make their plans differ; one log line if it was asked for."""
+    if grouped:
+        if cfg.prefill_stall_ratio:
+            log.info("--prefill-stall-ratio: the prefill budget stays fixed in a group")
+        return 0.0
     if cfg.prefill_stall_ratio is not None:
         return cfg.prefill_stall_ratio
     return PREFILL_STALL_RATIO["cpu" if mx.default_device() == mx.cpu else "gpu"]

@@ -356,7 +356,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_step=cfg.prefill_step,
         prefill_budget=prefill_budget(cfg),
         idle_prefill_budget=cfg.idle_prefill_budget,
-        stall_ratio=prefill_stall_ratio(cfg),
+        stall_ratio=prefill_stall_ratio(cfg, grouped=group is not None),
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
         kv_format=codec.name,
         windows=windows,
