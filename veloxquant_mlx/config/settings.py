@@ -87,14 +87,14 @@ class Settings(BaseSettings):
         ge=16,
         description="Prompt tokens prefilled per step at most while no request decodes.",
     )
-    prefill_stall_ratio: float | None = Field(
-        None,
+    prefill_stall_ratio: float = Field(
+        0.0,
         ge=0,
         le=100,
         description="Move the prefill budget, between a quarter of --prefill-budget and all of "
         "it, so that a step carrying prefill beside decoding requests takes at most about this "
         "many times a step of decoding alone (their inter-token gap), while at most 16 requests "
-        "decode; 0 or unset: a fixed budget (measured better for agent turns; "
+        "decode; 0 (the default): a fixed budget (measured better for agent turns; "
         "docs/configuration.md).",
     )
     warm_up: Literal["auto", "on", "off"] = Field(
@@ -396,7 +396,7 @@ class Settings(BaseSettings):
         bad = [f for f in self.kv_format_list if f not in known]
         if bad:
             raise ValueError(f"--kv-formats takes {', '.join(known)}; got {', '.join(bad)}")
-        if self.prefill_stall_ratio is not None and 0 < self.prefill_stall_ratio < 1:
+        if 0 < self.prefill_stall_ratio < 1:
             raise ValueError(
                 "--prefill-stall-ratio must be 0 (a fixed budget) or at least 1 (a step with "
                 f"prefill is never shorter than one without), got {self.prefill_stall_ratio}"

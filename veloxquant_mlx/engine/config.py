@@ -30,9 +30,9 @@ class EngineConfig:
     # ... and while no request decodes (nobody's stream waits on the step).
     idle_prefill_budget: int = 2048
     # Move the budget (between a quarter of it and all of it) so that a step carrying prefill
-    # takes at most about this many times a decode-only step (loop/prefill_budget.py); 0: a
-    # fixed budget; None: the measured choice per backend (model/choices.py: fixed).
-    prefill_stall_ratio: float | None = None
+    # takes at most about this many times a decode-only step (loop/prefill_budget.py); 0, the
+    # default: a fixed budget (measured better for agent turns: DESIGN-NOTES.md).
+    prefill_stall_ratio: float = 0.0
     # Run the shapes the engine will meet before it is ready (loop/warmup.py), so that no
     # request pays a kernel compile: "on", "off", or "auto" (on a GPU). Not in a group (the
     # ranks step together from rank 0).

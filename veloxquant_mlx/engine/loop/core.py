@@ -266,8 +266,9 @@ class EngineCore:
             self._absorb(sampled)
         clock.mark()
         clock.report(len(runner.rows), plan)
-        decoding = sum(row is not None for row in runner.rows)
-        sched.budget.observe(clock.gap(), plan.prompt_tokens, decoding)
+        if sched.budget.adaptive:  # (--prefill-stall-ratio; nothing a turn when fixed)
+            decoding = sum(row is not None for row in runner.rows)
+            sched.budget.observe(clock.gap(), plan.prompt_tokens, decoding)
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()

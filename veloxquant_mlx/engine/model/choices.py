@@ -18,15 +18,6 @@ log = logging.getLogger("veloxquant.engine")
 # --prefill-budget is unset (DESIGN-NOTES.md, "Prefill beside decoding").
 PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
-# Under --prefill-stall-ratio unset, per backend: a step carrying prefill beside decoding rows
-# takes at most about this many times a decode-only step, the budget moving between a quarter
-# of --prefill-budget and all of it; 0: fixed (DESIGN-NOTES.md, "The prefill budget beside
-# decoding"). Fixed on both: on an H100, 2.5 made the agent benchmark's inter-token p99
-# 0.71-0.84x a fixed budget's but its TTFT p50 1.23-1.41x and its throughput 0.87-0.98x, what
-# an agent's turn costs; on a CPU a prompt's forward is many decode steps long whatever the
-# budget (64 is already the smallest that keeps a long prompt going).
-PREFILL_STALL_RATIO = {"cpu": 0.0, "gpu": 0.0}
-
 
 # In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
 # while at most this many requests run: each copy out of the working set makes the next step
@@ -88,13 +79,12 @@ def prefill_budget(cfg: EngineConfig) -> int:
 
 
 def prefill_stall_ratio(cfg: EngineConfig, grouped: bool = False) -> float:
-    """The stall ratio the scheduler's budget follows (0: fixed). Never in an mx.distributed
+    """The stall ratio the scheduler's budget follows (0, the default: fixed; DESIGN-NOTES.md,
+    "A budget that follows the steps", says why). Never in an mx.distributed
     group (``grouped``): every rank plans each step from the same turns, and a budget moved by
     each rank's own clock would make their plans differ; one log line if it was asked for."""
     if grouped:
         if cfg.prefill_stall_ratio:
             log.info("--prefill-stall-ratio: the prefill budget stays fixed in a group")
         return 0.0
-    if cfg.prefill_stall_ratio is not None:
-        return cfg.prefill_stall_ratio
-    return PREFILL_STALL_RATIO["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    return cfg.prefill_stall_ratio
