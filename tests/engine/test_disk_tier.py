@@ -14,10 +14,11 @@ import shutil
 import threading
 import time
 
-import mlx.core as mx
+import pytest
 
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine
+from veloxquant_mlx.engine.loop import disk_tier, page_file
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
@@ -40,7 +41,13 @@ def files(path) -> list:
     return sorted(f for f in path.rglob("*.safetensors") if not f.stem.endswith(".tmp"))
 
 
-def test_a_conversation_survives_a_restart_with_the_same_tokens(make_engine, tmp_path, caplog):
+@pytest.mark.parametrize("views", [True, False], ids=["into-mlx", "numpy-copy"])
+def test_a_conversation_survives_a_restart_with_the_same_tokens(
+    make_engine, tmp_path, caplog, monkeypatch, views
+):
+    """Read into MLX's memory through NumPy views, or (a backend without them) into NumPy and
+    copied: the same tokens either way."""
+    monkeypatch.setattr(page_file, "writable_views", lambda: views)
     rng = random.Random(3)
     prompt = words(rng, 70)
     first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
@@ -89,13 +96,13 @@ def test_a_page_is_written_under_a_name_of_this_process_then_renamed(
     """Servers sharing the directory may write one page at once: each writes its own
     temporary file, so neither renames the other's half-written bytes."""
     written: list[str] = []
-    save = mx.save_safetensors
+    save = disk_tier.write_page
 
     def recorded(path, *args, **kwargs):
         written.append(os.path.basename(path))
         return save(path, *args, **kwargs)
 
-    monkeypatch.setattr(mx, "save_safetensors", recorded)
+    monkeypatch.setattr(disk_tier, "write_page", recorded)
     engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
     turn(engine, words(random.Random(12), 40), 4)
     engine.shutdown(5)
@@ -141,13 +148,13 @@ def test_a_page_queued_for_the_writer_is_served_before_it_is_written(
     rng = random.Random(6)
     engine = make_engine(n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path))
     gate = threading.Event()
-    save = mx.save_safetensors
+    save = disk_tier.write_page
 
     def held_back(*args, **kwargs):  # the writer is slow: nothing reaches the disk yet
         assert gate.wait(60)
         save(*args, **kwargs)
 
-    monkeypatch.setattr(mx, "save_safetensors", held_back)
+    monkeypatch.setattr(disk_tier, "write_page", held_back)
     prompts = [words(rng, 300) for _ in range(3)]
     for p in prompts:
         turn(engine, p, 4)
@@ -293,7 +300,7 @@ def test_the_directory_stays_under_its_cap(make_engine, tmp_path):
 
 def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_path, caplog):
     """A file whose header is intact but whose KV bytes changed (a bit flipped on disk) fails
-    its CRC: skipped with one line, and the tokens are a cold prefill's."""
+    its checksum: skipped with one line, and the tokens are a cold prefill's."""
     rng = random.Random(8)
     prompt = words(rng, 40)  # 2 full pages; the last token is left to prefill
     first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
@@ -309,7 +316,7 @@ def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_pat
         restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
         got, cached = turn(restarted, prompt)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == 1 and "CRC" in skipped[0]
+    assert len(skipped) == 1 and "checksum" in skipped[0]
     assert cached == 0 and restarted.stats().prefix_disk_hits_total == 0
     assert got == want
     wait_idle(restarted)
@@ -334,13 +341,13 @@ def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
     by_page = {_page_index(f, prompt): f for f in files(tmp_path) if _page_index(f, prompt) < 8}
     assert sorted(by_page) == list(range(8))
     data = bytearray(by_page[5].read_bytes())
-    data[-1] ^= 0x40  # KV bytes past the header: its CRC fails
+    data[-1] ^= 0x40  # KV bytes past the header: its checksum fails
     by_page[5].write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
         restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
         got, cached = turn(restarted, prompt)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == 1 and "CRC" in skipped[0]
+    assert len(skipped) == 1 and "checksum" in skipped[0]
     assert cached == 5 * BS and restarted.stats().prefix_disk_hits_total == 5
     assert got == want
     assert not by_page[5].exists() and by_page[6].exists()  # only the bad file is removed

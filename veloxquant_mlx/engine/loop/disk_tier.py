@@ -13,8 +13,9 @@ Writes go through one writer thread with a bounded queue (a full queue drops the
 is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
 that arrives right after its pages were evicted finds them. Reads go through one reader thread
 (``start_read``): a request whose next pages are on disk waits for them outside the engine's
-steps, which go on for everyone else; the reader checks each file and joins the run's pages, and
-the engine thread only takes the result (``run_kv``).
+steps, which go on for everyone else; the reader checks each file and copies its bytes once,
+straight into the run's joined arrays (``page_file.Segment``), and the engine thread only takes
+the result (``run_kv``).
 """
 
 from __future__ import annotations
@@ -34,17 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
+import xxhash
 
 from veloxquant_mlx.engine.loop.page_file import (
     SUFFIX,
+    Layout,
+    Segment,
     arrays_of,
-    crcs,
-    join_files,
     layers_of,
-    parse,
     part_of,
+    read_header,
     reason,
+    write_page,
 )
 from veloxquant_mlx.engine.loop.prefix_cache import Page, chain
 from veloxquant_mlx.kv.codec import Stored as Parts
@@ -122,6 +124,8 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
         self._writer.start()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="vq-disk-read")
+        self._buffer = bytearray()  # the reader's: the file being read
+        self._closing = False
         self.on_read: Callable[[], None] = lambda: None  # a read finished (the engine wakes)
         self._trim()
         log.info(
@@ -211,7 +215,10 @@ class DiskTier:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the reader; write what is queued (for at most ``timeout`` seconds), then stop
         the writer."""
-        self._reader.shutdown(wait=True, cancel_futures=True)
+        if not self._closing:
+            self._closing = True  # reads not started yet find nothing
+            self._reader.submit(mx.clear_streams)  # MLX's streams of the reader thread
+            self._reader.shutdown(wait=True)
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -222,6 +229,8 @@ class DiskTier:
     # ------------------------------------------------------------------ reader thread
 
     def _read_run(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
+        if self._closing:
+            return Run(first, 0, [])
         t0 = time.perf_counter()
         run = self._collect(tokens, first, parent, limit, bs)
         log.debug(
@@ -232,12 +241,14 @@ class DiskTier:
 
     def _collect(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
         run = Run(first, 0, [])
-        files: list[dict[str, np.ndarray]] = []  # consecutive pages read, not yet joined
+        seg: Segment | None = None  # consecutive pages read from files, into their place
+        filled = 0
 
         def flush() -> None:
-            if files:
-                run.segments.append((len(files), join_files(files)))
-                files.clear()
+            nonlocal seg, filled
+            if seg is not None and filled:
+                run.segments.append((filled, seg.arrays(filled)))
+            seg, filled = None, 0
 
         for i in range(first, limit):
             page_tokens = tokens[i * bs : (i + 1) * bs]
@@ -249,10 +260,14 @@ class DiskTier:
                 flush()
                 run.segments.append((1, pending[1]))
             elif on_disk:
-                arrays = self._read_file(digest, page_tokens)
-                if arrays is None:
+                page = self._read_file(digest, page_tokens, seg.layout if seg else None)
+                if page is None:
                     break
-                files.append(arrays)
+                if seg is None:
+                    ahead = self._files_ahead(tokens, i, parent, limit, bs)
+                    seg = Segment(page[0], ahead, self.n_layers)
+                seg.fill(filled, page[1])
+                filled += 1
             else:
                 break
             run.n_pages += 1
@@ -260,14 +275,44 @@ class DiskTier:
         flush()
         return run
 
-    def _read_file(self, digest: bytes, tokens: list[int]) -> dict[str, np.ndarray] | None:
-        """Page ``digest``'s arrays once its file passes ``page_file.parse``'s checks; else
-        None (one log line, the file removed). A hit refreshes the file's place in the LRU
-        order."""
+    def _files_ahead(
+        self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
+    ) -> int:
+        """How many pages from ``first`` on the tier holds as files (not queued), in a row."""
+        n = 0
+        for i in range(first, limit):
+            parent = chain(parent, tokens[i * bs : (i + 1) * bs])
+            name = parent.hex()
+            with self._lock:
+                if name not in self._index or name in self._pending:
+                    break
+            n += 1
+        return max(n, 1)
+
+    def _read_file(
+        self, digest: bytes, tokens: list[int], layout: Layout | None
+    ) -> tuple[Layout, memoryview] | None:
+        """Page ``digest``'s layout and data (in the reader's buffer, valid until the next
+        read) once its file passes ``page_file.read_header``'s checks, has that many bytes and
+        their checksum, and has ``layout`` where given; else None (one log line, the file
+        removed). A hit refreshes the file's place in the LRU order."""
         name = digest.hex()
         path = self.dir / (name + SUFFIX)
         try:
-            arrays = parse(path.read_bytes(), self.fp, name, tokens, self.n_layers, self.dtypes)
+            with path.open("rb", buffering=0) as f:
+                got, checksum = read_header(f, self.fp, name, tokens, self.n_layers, self.dtypes)
+                if layout is not None and got != layout:
+                    raise ValueError("not this tier's layout")
+                if len(self._buffer) < got.size:
+                    self._buffer = bytearray(got.size)
+                data = memoryview(self._buffer)[: got.size]
+                n = 0
+                while n < got.size and (k := f.readinto(data[n:])):
+                    n += k
+                if n != got.size or f.read(1):
+                    raise ValueError("its size does not match its header")
+            if xxhash.xxh3_64_hexdigest(data) != checksum:
+                raise ValueError("its bytes do not match their checksum")
         except Exception as exc:  # a bad file is a miss, never a failure
             self.refuse(digest, exc)
             return None
@@ -276,7 +321,7 @@ class DiskTier:
                 self._index.move_to_end(name)
         with contextlib.suppress(OSError):
             os.utime(path)
-        return arrays
+        return got, data
 
     # ------------------------------------------------------------------ writer thread
 
@@ -302,9 +347,8 @@ class DiskTier:
         # this process's own temporary name: two servers on one directory may write one page
         tmp = self.dir / f"{name}.{os.getpid()}{TMP}{SUFFIX}"
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
-        meta["crc"] = crcs([arrays])[0]  # waits for the arrays' evaluation
         try:
-            mx.save_safetensors(str(tmp), arrays, meta)
+            write_page(tmp, arrays, meta)  # waits for the arrays' evaluation
             os.replace(tmp, path)
             size = path.stat().st_size
         except Exception as exc:  # a full disk, a removed directory: the page is not kept
