@@ -2,14 +2,17 @@
 
     python -m benchmarks.restart_bench [--model embedded|100m | --model-path DIR]
         [--context-words 450] [--new-words 30] [--repeats 3] [--ours-args "..."] [--logs DIR]
-        [--in-memory]
+        [--in-memory] [--on-hit]
 
 For each repeat: a server with ``--prefix-cache-dir`` (a fresh directory) answers a chat of
 ``--context-words`` words (streamed, greedy, 32 tokens) and is stopped with SIGTERM (a clean
 stop writes its cached pages); a new server on the same directory gets the next turn (the
-conversation, the answer and ``--new-words`` more); a server without the directory gets the same
-turn cold. It reports both TTFTs, their ratio (target: restarted <= 1/3 of cold), the tokens the
-restarted server found cached, and that both answers are the same tokens. ``--in-memory``
+conversation, the answer and ``--new-words`` more): it read the directory's conversations into
+memory before it was ready (``--prefix-cache-preload-gb``; the time its log gives is reported);
+a server without the directory gets the same turn cold. ``--on-hit`` adds a restarted server
+that preloads nothing (``--prefix-cache-preload-gb 0``) and reads the pages on the hit. It
+reports the TTFTs, their ratio to cold (target: restarted <= 1/3), the tokens the restarted
+server found cached, and that the answers are the cold one's tokens. ``--in-memory``
 adds a control: one server (no directory) answers the first turn and then the next, which
 finds the conversation in its prefix cache in memory; its TTFT and whether its answer is the
 cold one's (a difference there too is the reused pages' numerics, not the disk). Every server
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -68,6 +72,7 @@ def main() -> None:
     p.add_argument("--ours-args", default="", help="extra flags for every server")
     p.add_argument("--logs", help="keep the servers' logs in this directory")
     p.add_argument("--in-memory", action="store_true", help="add the same-server control")
+    p.add_argument("--on-hit", action="store_true", help="add a restart that reads on the hit")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vq-restart-"))
     logs = Path(args.logs) if args.logs else work
@@ -102,6 +107,17 @@ def main() -> None:
             with ctx:
                 base = f"http://127.0.0.1:{port}"
                 runs["restarted"], warm_answer, cached = stream_chat(base, follow)
+            log_text = (logs / f"restarted-{rep}.log").read_text(errors="replace")
+            preload = re.search(r"read from disk into memory in ([0-9.]+) s", log_text)
+            runs["preload_s"] = float(preload.group(1)) if preload else 0.0
+            if args.on_hit:
+                disk2 = work / f"pages-{rep}-again"
+                shutil.copytree(disk, disk2)
+                extra = ["--prefix-cache-dir", str(disk2), "--prefix-cache-preload-gb", "0"]
+                port, ctx = start(extra, "on-hit")
+                with ctx:
+                    runs["on_hit"], hit_answer, _ = stream_chat(f"http://127.0.0.1:{port}", follow)
+                runs["on_hit_same"] = float(hit_answer == warm_answer)
             port, ctx = start([], "cold")
             with ctx:
                 runs["cold"], cold_answer, _ = stream_chat(f"http://127.0.0.1:{port}", follow)
@@ -128,12 +144,19 @@ def main() -> None:
         f"| restarted on --prefix-cache-dir | {warm:.0f} | {warm / cold:.2f} | "
         f"{statistics.median(r[1] for r in rows):.0f} | {all(r[2] for r in rows)} |"
     )
+    preload = statistics.median(r[0]["preload_s"] for r in rows)
+    if args.on_hit:
+        hit = statistics.median(r[0]["on_hit"] for r in rows)
+        same = all(r[0]["on_hit_same"] for r in rows)
+        print(f"| restarted, pages read on the hit (--prefix-cache-preload-gb 0) | {hit:.0f} | "
+              f"{hit / cold:.2f} | - | {same} (as restarted) |")  # fmt: skip
     if args.in_memory:
         kept = statistics.median(r[0]["kept"] for r in rows)
         print(
             f"| the same server, cached in memory (control) | {kept:.0f} | {kept / cold:.2f} "
             f"| - | {all(r[3] for r in rows)} |"
         )
+    print(f"\nThe restarted server's preload at start (its log): {preload:.2f} s (median).")
 
 
 if __name__ == "__main__":

@@ -50,12 +50,14 @@ def test_a_conversation_survives_a_restart_with_the_same_tokens(
     monkeypatch.setattr(page_file, "writable_views", lambda: views)
     rng = random.Random(3)
     prompt = words(rng, 70)
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     answer, _ = turn(first, prompt, 30)
     first.shutdown(5)  # a clean stop writes every cached page
     assert len(files(tmp_path)) == (70 + 30) // BS
     turn_two = prompt + answer + words(rng, 9)
-    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    restarted = make_engine(
+        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+    )
     with caplog.at_level(logging.DEBUG, logger="veloxquant.engine"):
         got, cached = turn(restarted, turn_two)
     assert cached == (70 + 30) // BS * BS
@@ -74,7 +76,7 @@ def test_a_conversation_survives_a_restart_with_the_same_tokens(
 
 
 def test_files_a_crash_left_mid_write_are_not_pages_and_old_ones_are_removed(make_engine, tmp_path):
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     turn(first, words(random.Random(9), 40), 4)
     first.shutdown(5)
     pages = files(tmp_path)
@@ -85,7 +87,9 @@ def test_files_a_crash_left_mid_write_are_not_pages_and_old_ones_are_removed(mak
         f.write_bytes(page.read_bytes()[:50])
     hour_ago = time.time() - 3600
     os.utime(stale, (hour_ago, hour_ago))
-    restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    restarted = make_engine(
+        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+    )
     assert restarted.stats().prefix_disk_pages == len(pages)
     assert fresh.exists() and not stale.exists()  # another server's write may be in progress
 
@@ -103,7 +107,7 @@ def test_a_page_is_written_under_a_name_of_this_process_then_renamed(
         return save(path, *args, **kwargs)
 
     monkeypatch.setattr(disk_tier, "write_page", recorded)
-    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     turn(engine, words(random.Random(12), 40), 4)
     engine.shutdown(5)
     assert len(written) == 40 // BS
@@ -114,7 +118,7 @@ def test_a_page_is_written_under_a_name_of_this_process_then_renamed(
 
 
 def test_writes_that_fail_are_dropped_with_one_log_line(make_engine, tmp_path, caplog):
-    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     turn(engine, words(random.Random(10), 100), 4)  # 6 full pages
     shutil.rmtree(tmp_path)  # the directory goes away under the server: every write fails
     with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
@@ -126,7 +130,9 @@ def test_writes_that_fail_are_dropped_with_one_log_line(make_engine, tmp_path, c
 
 def test_pages_evicted_under_pressure_are_written_and_found(make_engine, tmp_path):
     rng = random.Random(4)
-    engine = make_engine(n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path))  # 40 pages
+    engine = make_engine(
+        n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+    )  # 40 pages
     prompts = [words(rng, 300) for _ in range(3)]  # 18 full pages each: the first is evicted
     for p in prompts:
         turn(engine, p, 4)
@@ -146,7 +152,9 @@ def test_a_page_queued_for_the_writer_is_served_before_it_is_written(
     make_engine, tmp_path, monkeypatch
 ):
     rng = random.Random(6)
-    engine = make_engine(n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path))
+    engine = make_engine(
+        n_blocks=2 * 4 * 40, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+    )
     gate = threading.Event()
     save = disk_tier.write_page
 
@@ -174,7 +182,7 @@ def test_a_page_queued_for_the_writer_is_served_before_it_is_written(
 def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp_path, monkeypatch):
     rng = random.Random(7)
     prompt = words(rng, 300)
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     turn(first, prompt, 4)
     first.shutdown(5)
     gate, reading = threading.Event(), threading.Event()
@@ -188,7 +196,10 @@ def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp
     monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
     turns = []
     restarted = make_engine(
-        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), step_hook=lambda: turns.append(1)
+        kv_cache_mb=32,
+        prefix_cache_dir=str(tmp_path),
+        prefix_cache_preload_gb=0,
+        step_hook=lambda: turns.append(1),
     )
     again = prompt + words(rng, 5)
     waiting = restarted.submit(GenerationRequest(tuple(again), 4, GREEDY))
@@ -214,7 +225,7 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
 
     rng = random.Random(8)
     prompts = [words(rng, 100) for _ in range(4)]
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     for p in prompts:
         turn(first, p, 4)
     first.shutdown(5)
@@ -236,7 +247,10 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
     monkeypatch.setattr(DiskTier, "start_read", counted)
     turns = []
     restarted = make_engine(
-        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), step_hook=lambda: turns.append(1)
+        kv_cache_mb=32,
+        prefix_cache_dir=str(tmp_path),
+        prefix_cache_preload_gb=0,
+        step_hook=lambda: turns.append(1),
     )
     again = [p + words(rng, 3) for p in prompts]
     handles = [restarted.submit(GenerationRequest(tuple(p), 4, GREEDY)) for p in again]
@@ -255,7 +269,7 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
 def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path, caplog):
     rng = random.Random(5)
     prompt = words(rng, 80)  # 5 full pages; the last token is left to prefill
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     want, _ = turn(first, prompt)
     first.shutdown(5)
     pages = files(tmp_path)
@@ -266,7 +280,9 @@ def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path,
     data = pages[2].read_bytes()
     pages[2].write_bytes(data[:40] + b"{" + data[41:])  # its header broken
     with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
-        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        restarted = make_engine(
+            kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+        )
         got, cached = turn(restarted, prompt)
     skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert restarted.stats().prefix_disk_skipped_total == len(skipped) >= 1
@@ -279,17 +295,19 @@ def test_bad_files_are_skipped_with_one_line_never_served(make_engine, tmp_path,
 def test_another_geometry_never_matches(make_engine, tmp_path):
     rng = random.Random(6)
     prompt = words(rng, 64)
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     turn(first, prompt)
     first.shutdown(5)
-    other = make_engine(kv_cache_mb=32, block_size=32, prefix_cache_dir=str(tmp_path))
+    other = make_engine(
+        kv_cache_mb=32, block_size=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+    )
     assert turn(other, [*prompt, 5])[1] == 0
     assert other.stats().prefix_disk_hits_total == 0
 
 
 def test_the_directory_stays_under_its_cap(make_engine, tmp_path):
     rng = random.Random(7)
-    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path),
+    engine = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0,
                          prefix_cache_disk_gb=200_000 / 2**30)  # fmt: skip
     for _ in range(4):
         turn(engine, words(rng, 100), 4)
@@ -303,7 +321,7 @@ def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_pat
     its checksum: skipped with one line, and the tokens are a cold prefill's."""
     rng = random.Random(8)
     prompt = words(rng, 40)  # 2 full pages; the last token is left to prefill
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     want, _ = turn(first, prompt)
     first.shutdown(5)
     pages = files(tmp_path)
@@ -313,7 +331,9 @@ def test_a_page_whose_bytes_changed_is_skipped_never_served(make_engine, tmp_pat
         data[-1] ^= 0x40
         page.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
-        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        restarted = make_engine(
+            kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+        )
         got, cached = turn(restarted, prompt)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1 and "checksum" in skipped[0]
@@ -335,7 +355,7 @@ def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
     through it), and the tokens are a cold prefill's."""
     rng = random.Random(9)
     prompt = words(rng, 8 * BS + 1)
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     want, _ = turn(first, prompt)
     first.shutdown(5)
     by_page = {_page_index(f, prompt): f for f in files(tmp_path) if _page_index(f, prompt) < 8}
@@ -344,7 +364,9 @@ def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
     data[-1] ^= 0x40  # KV bytes past the header: its checksum fails
     by_page[5].write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
-        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        restarted = make_engine(
+            kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0
+        )
         got, cached = turn(restarted, prompt)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1 and "checksum" in skipped[0]
@@ -352,3 +374,65 @@ def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
     assert got == want
     assert not by_page[5].exists() and by_page[6].exists()  # only the bad file is removed
     wait_idle(restarted)
+
+
+def test_a_restarted_engine_starts_with_its_conversations_in_memory(make_engine, tmp_path, caplog):
+    """``--prefix-cache-preload-gb`` (default: half the pool): before it is ready, the engine
+    reads the disk tier's conversations into memory, so the next turn hits there and reads
+    nothing from disk; the counters start at zero; the tokens are a cold prefill's."""
+    rng = random.Random(21)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    a, b = words(rng, 70), words(rng, 40)
+    answer, _ = turn(first, a, 30)
+    turn(first, b, 8)
+    first.shutdown(5)
+    with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if "into memory" in r.getMessage()]
+    want = (70 + 30) // BS + (40 + 8) // BS
+    assert lines == [f"prefix cache: {want} pages of 2 conversations read from disk into "
+                     f"memory in {lines[0].rsplit(' in ', 1)[1]}"]  # fmt: skip
+    stats = restarted.stats()
+    assert stats.cached_blocks > 0 and stats.prefix_disk_hits_total == 0
+    assert stats.prefix_queries_total == 0 and stats.requests_finished_total == {}
+    turn_two = a + answer + words(rng, 9)
+    got, cached = turn(restarted, turn_two)
+    assert cached == (70 + 30) // BS * BS
+    assert restarted.stats().prefix_disk_hits_total == 0  # memory, not disk
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert got == turn(plain, turn_two)[0]
+
+
+def test_the_preload_takes_the_newest_conversations_up_to_its_budget(make_engine, tmp_path):
+    rng = random.Random(22)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    old, new = words(rng, 64), words(rng, 64)
+    turn(first, old, 4)
+    time.sleep(0.05)  # the files' times order them
+    turn(first, new, 4)
+    first.shutdown(5)
+    page = first.stats().kv_bytes_per_block * 2 * first.info.kv_layers
+    restarted = make_engine(
+        kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=4 * page / 2**30
+    )
+    assert turn(restarted, [*new, 1])[1] == 64  # the newest, whole: its 4 pages
+    assert restarted.stats().prefix_disk_hits_total == 0
+    assert turn(restarted, [*old, 1])[1] == 64  # the older one: from disk on its hit
+    assert restarted.stats().prefix_disk_hits_total == 4
+
+
+def test_a_bad_file_does_not_stop_the_preload(make_engine, tmp_path, caplog):
+    rng = random.Random(23)
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    prompt = words(rng, 64)
+    turn(first, prompt, 4)
+    first.shutdown(5)
+    by_page = {_page_index(f, prompt): f for f in files(tmp_path)}
+    by_page[2].write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.WARNING, logger="veloxquant.engine"):
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and not by_page[2].exists()
+    assert turn(restarted, [*prompt, 1])[1] == 2 * BS  # the pages before the bad one
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    assert turn(restarted, [*prompt, 2])[0] == turn(plain, [*prompt, 2])[0]

@@ -230,6 +230,14 @@ class Settings(BaseSettings):
     prefix_cache_disk_gb: float = Field(
         10.0, gt=0, description="Disk the --prefix-cache-dir pages may use (LRU beyond)."
     )
+    prefix_cache_preload_gb: float | None = Field(
+        None,
+        ge=0,
+        description="At start, before /ready answers 200, read the most recently used "
+        "conversations of --prefix-cache-dir into the prefix cache in memory, up to this many "
+        "GiB of KV, so a restarted server's first turns start from memory; unset: up to half "
+        "the KV pool; 0: none (pages are then read from disk on a hit).",
+    )
     cuda_graph_ops: int | None = Field(
         None,
         ge=1,

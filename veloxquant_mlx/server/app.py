@@ -71,6 +71,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefix_cache_answers=settings.prefix_cache_answers,
         prefix_cache_dir=settings.prefix_cache_dir,
         prefix_cache_disk_gb=settings.prefix_cache_disk_gb,
+        prefix_cache_preload_gb=settings.prefix_cache_preload_gb,
         stream_interval=settings.stream_interval_ms / 1000,
         # at least a one-token prompt and one block of completion (or the default max_tokens)
         min_request_tokens=1 + (settings.default_max_tokens or settings.block_size),

@@ -37,7 +37,7 @@ from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource
-from veloxquant_mlx.engine.loop.warmup import WARM_UP_ID
+from veloxquant_mlx.engine.loop.warmup import PRELOAD_ID, WARM_UP_ID
 from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler, GrammarRow
@@ -52,6 +52,7 @@ from veloxquant_mlx.engine.types import (
     REQUEST_FAILED,
     EngineNotReadyError,
     GenerationRequest,
+    SamplingParams,
 )
 
 log = logging.getLogger("veloxquant.engine")
@@ -320,6 +321,39 @@ class EngineCore:
             self.inbox.counters = Counters()
         self._publish()
         return n, hits
+
+    def preload(self, prompts: list[list[int]]) -> int:
+        """Before the engine is ready: a one-token request for each of ``prompts`` (the disk
+        tier's conversations, ``DiskTier.chains``, the most recent last), each its tokens and
+        one more, so every full page of it is read from disk and cached in memory as if its
+        conversation had just run. The counters stay as they were (nothing was asked).
+        Returns the pages read from disk."""
+        disk, cache = self.parts.disk, self.scheduler.cache
+        if disk is None or cache is None:
+            return 0
+        before, counts = disk.hits, (cache.counts.queries, cache.counts.hits)
+        greedy = SamplingParams(temperature=0.0)
+        for i, tokens in enumerate(prompts):
+            request = GenerationRequest((*tokens, tokens[-1]), 1, greedy)
+            handle = RequestHandle(PRELOAD_ID + i, request)
+            seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
+            self._live[handle.request_id] = seq
+            self.scheduler.waiting.append(seq)
+        while self._live or self._inflight:  # nothing else runs before ready
+            if self._busy() or self._inflight:
+                self._turn()
+            else:  # waiting for the disk's reads (``_wake``)
+                with self.inbox.lock:
+                    self.inbox.lock.wait(0.05)
+        read, disk.hits = disk.hits - before, before
+        cache.counts.queries, cache.counts.hits = counts
+        self.scheduler.preemptions = 0
+        self.runner.restart_join_clock()
+        self.scheduler.budget.reset()
+        with self.inbox.lock:
+            self.inbox.counters = Counters()
+        self._publish()
+        return read
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""

@@ -45,6 +45,7 @@ from veloxquant_mlx.engine.loop.page_file import (
     layers_of,
     part_of,
     read_header,
+    read_meta,
     reason,
     write_page,
 )
@@ -118,8 +119,8 @@ class DiskTier:
         self.skipped = 0  # files refused at load (corrupt, foreign, wrong shape)
         self._warned = -WARN_EVERY_S  # when a failed write was last logged (writer thread)
         self._failed = 0  # writes failed since
-        self._queue: queue.Queue[tuple[str, list[int], dict[str, mx.array]] | None] = queue.Queue(
-            QUEUE_PAGES
+        self._queue: queue.Queue[tuple[str, list[int], dict[str, mx.array], str] | None] = (
+            queue.Queue(QUEUE_PAGES)
         )
         self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
         self._writer.start()
@@ -196,9 +197,16 @@ class DiskTier:
         log.warning("prefix cache on disk: skipped %s (%s)", name[:16] + "...", reason(exc))
         self._forget(name, unlink=True)
 
-    def save(self, digest: bytes, tokens: list[int], layers: list[tuple[Parts, Parts]]) -> None:
+    def save(
+        self,
+        digest: bytes,
+        tokens: list[int],
+        layers: list[tuple[Parts, Parts]],
+        parent: bytes = b"",
+    ) -> None:
         """Queue a page for the writer (its arrays' evaluation already launched); dropped when
-        the page is on disk already or the queue is full."""
+        the page is on disk already or the queue is full. ``parent``: its parent's digest (a
+        conversation's pages can then be found again from their files: ``chains``)."""
         name = digest.hex()
         if self.has(digest):
             return
@@ -206,7 +214,7 @@ class DiskTier:
         with self._lock:
             self._pending[name] = (tokens, arrays)
         try:
-            self._queue.put_nowait((name, tokens, arrays))
+            self._queue.put_nowait((name, tokens, arrays, parent.hex()))
         except queue.Full:
             with self._lock:
                 del self._pending[name]
@@ -225,6 +233,50 @@ class DiskTier:
             log.warning("prefix cache on disk: the writer is behind; pages queued are dropped")
             return
         self._writer.join(timeout)
+
+    def chains(self, max_pages: int) -> list[list[int]]:
+        """The conversations the tier holds, as token runs from their first page, the most
+        recently used first, at most ``max_pages`` pages in all (a page several share counts
+        once; the last run taken may be cut short): each ends at a page no other file goes on
+        from. Reads the newest files' headers only (a file whose header fails its checks is
+        skipped with one log line and removed); a run whose chain back to the root misses a
+        file is left out. Before the engine is ready."""
+        with self._lock:
+            names = list(reversed(self._index))[: 4 * max_pages]  # newest first
+        nodes: dict[str, tuple[str, list[int]]] = {}
+        bad: list[str] = []
+        for name in names:
+            try:
+                with (self.dir / (name + SUFFIX)).open("rb") as f:
+                    meta = read_meta(f, self.fp, name)
+                nodes[name] = (meta["parent"], json.loads(meta["tokens"]))
+            except FileNotFoundError:
+                continue
+            except Exception as exc:  # one line for all (an older server's files: many)
+                bad.append(reason(exc))
+                self.skipped += 1
+                self._forget(name, unlink=True)
+        if bad:
+            log.warning("prefix cache on disk: skipped %d file(s) (%s)", len(bad), bad[0])
+        continued = {parent for parent, _ in nodes.values()}
+        root, taken, out = self.root_digest.hex(), set[str](), []
+        for leaf in (n for n in nodes if n not in continued):
+            path, at = [], leaf
+            while at in nodes:
+                path.append(at)
+                at = nodes[at][0]
+            if at != root:
+                continue
+            path.reverse()
+            room = max_pages - len(taken)
+            while len(set(path) - taken) > room:
+                path.pop()
+            if path:
+                taken.update(path)
+                out.append([t for name in path for t in nodes[name][1]])
+            if len(taken) >= max_pages:
+                break
+        return out
 
     # ------------------------------------------------------------------ reader thread
 
@@ -335,18 +387,23 @@ class DiskTier:
         finally:
             mx.clear_streams()
 
-    def _write(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
+    def _write(
+        self, name: str, tokens: list[int], arrays: dict[str, mx.array], parent: str
+    ) -> None:
         try:
-            self._write_file(name, tokens, arrays)
+            self._write_file(name, tokens, arrays, parent)
         finally:
             with self._lock:
                 self._pending.pop(name, None)
 
-    def _write_file(self, name: str, tokens: list[int], arrays: dict[str, mx.array]) -> None:
+    def _write_file(
+        self, name: str, tokens: list[int], arrays: dict[str, mx.array], parent: str
+    ) -> None:
         path = self.dir / (name + SUFFIX)
         # this process's own temporary name: two servers on one directory may write one page
         tmp = self.dir / f"{name}.{os.getpid()}{TMP}{SUFFIX}"
         meta = {"fingerprint": self.fp, "digest": name, "tokens": json.dumps(tokens)}
+        meta["parent"] = parent
         try:
             write_page(tmp, arrays, meta)  # waits for the arrays' evaluation
             os.replace(tmp, path)
@@ -401,4 +458,4 @@ def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:
             continue
         layers = [(copy_span(k), copy_span(v)) for k, v in kv.page_parts([page])]
         mx.async_eval([x for pair in layers for parts in pair for x in parts])
-        tier.save(page.digest, list(page.key[1]), layers)
+        tier.save(page.digest, list(page.key[1]), layers, page.parent)

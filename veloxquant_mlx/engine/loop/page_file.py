@@ -131,18 +131,11 @@ def read_header(
     Raises:
         ValueError: (or another error of a short or broken file) a check failed.
     """
-    n = int.from_bytes(f.read(8), "little")
-    if not 0 < n <= MAX_HEADER:
-        raise ValueError("not a page file")
-    header = json.loads(f.read(n))
-    meta = header.pop("__metadata__", None) or {}
-    if meta.get("fingerprint") != fp or meta.get("digest") != name:
-        raise ValueError("written for another model, format or page")
+    header = _header(f)
+    meta = _checked_meta(header.pop("__metadata__", None) or {}, fp, name)
     if json.loads(meta.get("tokens", "null")) != tokens:
         raise ValueError("its tokens differ")
-    checksum = meta.get("xxh3")
-    if not isinstance(checksum, str):
-        raise ValueError("no checksum")
+    checksum = meta["xxh3"]
     want = {part_name(i, s, j) for i in range(n_layers) for s in "kv" for j in range(len(dtypes))}
     if set(header) != want:
         raise ValueError("not this tier's arrays")
@@ -164,6 +157,38 @@ def read_header(
             offset += nbytes
         groups.append(Group(code, len(names), shape[1], shape[3], start, offset - start))
     return Layout(len(tokens), tuple(groups), offset), checksum
+
+
+def read_meta(f: BinaryIO, fp: str, name: str) -> dict[str, str]:
+    """An open page file's metadata (its tokens, parent's digest, checksum), once it is
+    this tier's file for page ``name``.
+
+    Raises:
+        ValueError: (or another error of a short or broken file) it is not.
+    """
+    meta = _checked_meta(_header(f).get("__metadata__") or {}, fp, name)
+    json.loads(meta["tokens"])
+    return meta
+
+
+def _header(f: BinaryIO) -> dict[str, Any]:
+    n = int.from_bytes(f.read(8), "little")
+    if not 0 < n <= MAX_HEADER:
+        raise ValueError("not a page file")
+    header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("not a page file")
+    return header
+
+
+def _checked_meta(meta: dict[str, Any], fp: str, name: str) -> dict[str, str]:
+    if meta.get("fingerprint") != fp or meta.get("digest") != name:
+        raise ValueError("written for another model, format or page")
+    if not isinstance(meta.get("xxh3"), str) or not isinstance(meta.get("parent"), str):
+        raise ValueError("no checksum")
+    if not isinstance(meta.get("tokens"), str):
+        raise ValueError("no tokens")
+    return meta
 
 
 class Segment:

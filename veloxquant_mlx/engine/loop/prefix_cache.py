@@ -53,6 +53,7 @@ class Page:
     digest: bytes = b""  # the hash chain of its tokens and all before (``chain``)
     fmt: str = ""  # the KV format it holds ("": the server's own)
     span: int = 1  # blocks per table list
+    parent: bytes = b""  # its parent's digest (the disk tier keeps the link)
 
     def column(self, j: int) -> list[int]:
         """Its block ids in table list ``j``."""
@@ -183,7 +184,7 @@ class PrefixCache:
         digest = root_digest if seq.tail_digest is None else seq.tail_digest
         for i in range(seq.n_known, end):
             key = (tail, tuple(tokens[i * bs : (i + 1) * bs]))
-            digest = chain(digest, key[1])
+            parent, digest = digest, chain(digest, key[1])
             page = self._pages.get(key)
             if page is None:
                 ids = [b for column in table for b in column[i * span : (i + 1) * span]]
@@ -191,7 +192,7 @@ class PrefixCache:
                 if len(blocks) != len(ids):  # not all its own (cannot happen): leave it
                     break
                 self._serial += 1
-                page = Page(self._serial, key, ids, blocks, kv_of(i), 1, digest, fmt=fmt, span=span)
+                page = Page(self._serial, key, ids, blocks, kv_of(i), 1, digest, fmt, span, parent)
                 self.pool.transfer(blocks, owner=owner, new_owner=CACHE_OWNER)
                 self._pages[key] = page
                 self._units += span
