@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.disk_tier import QUEUE_PAGES, DiskTier
+from veloxquant_mlx.engine.loop.page_file import writable_views
 from veloxquant_mlx.engine.loop.prefix_cache import chain
 
 BS = 16
@@ -85,6 +86,7 @@ def main() -> None:
             f"{args.pages} pages of {page_mb:.2f} MiB ({total_mb:.0f} MiB), {mx.default_device()}"
         )
         times = [read_once(root, fp, tokens, args, dtype) for _ in range(args.repeats)]
+        print(f"read straight into MLX's memory (page_file.writable_views): {writable_views()}")
         read = statistics.median(t[0] for t in times)
         take = statistics.median(t[1] for t in times)
         print("| read ms | ms a page | GB/s | run_kv + eval ms |")
