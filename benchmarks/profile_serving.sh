@@ -4,7 +4,9 @@
 # at one concurrency. Loopback only; every process it starts is stopped by pid.
 #
 #   benchmarks/profile_serving.sh MODEL_DIR OUT_DIR CONCURRENCY PROMPT_WORDS [server flags...]
-# (LOAD_ARGS: more load client flags, e.g. "--temperature 0.7 --top-p 0.9")
+# (LOAD_ARGS: more load client flags, e.g. "--temperature 0.7 --top-p 0.9"; REQUESTS: how many
+# requests the profiled load sends, default 4 a client; it should outlast the 4 s wait and the
+# 12 s profile)
 # py-spy: here `pip install -e ".[profile]"`; on the lent GPU it comes with the wheels ($SITE).
 set -euo pipefail
 model=$1 out=$2 c=$3 words=$4; shift 4
@@ -18,7 +20,7 @@ start_server "$model" "$out/server.log" "$@"
 load() { python3 -m loadtest --url "http://127.0.0.1:$port" --prompt-words "$words-$words" \
   --max-tokens 128 --no-leak-check ${LOAD_ARGS:-} "$@"; }
 load --concurrency 4 --requests 8 > /dev/null
-load --concurrency "$c" --requests $((c * 4)) > "$out/load.txt" 2>&1 &
+load --concurrency "$c" --requests "${REQUESTS:-$((c * 4))}" > "$out/load.txt" 2>&1 &
 lt=$!
 sleep 4
 pids="$srv $(cat /proc/$srv/task/*/children 2>/dev/null)"

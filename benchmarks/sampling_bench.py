@@ -6,7 +6,9 @@ For each batch size it times (milliseconds a step, evaluated, median of ``--step
 
 - ``greedy``: one argmax over the batch (the floor);
 - ``batched``: ``BatchSampler`` with every row at temperature 0.7 and top_p 0.9 (logits in
-  ``--dtype``, a model's output dtype);
+  ``--dtype``, a model's output dtype), its top_p cut by a sort (on a CPU: numpy's, on the
+  host), and ``histogram``: the same with the sort-free cut (``--sampling-cut histogram``;
+  16-bit logits only);
 - ``batched+proc``: the same with a repetition / presence / frequency penalty and a logit_bias
   of 8 ids on every row;
 - ``per-row``: mlx_lm's ``make_sampler`` (and ``make_logits_processors`` for ``+proc``) called
@@ -48,11 +50,13 @@ def timed(step: Callable[[mx.array], list[mx.array]], logits: mx.array, steps: i
     return statistics.median(times) * 1e3
 
 
-def batched(params: SamplingParams, rows: int, vocab: int) -> Callable[[mx.array], list[mx.array]]:
+def batched(
+    params: SamplingParams, rows: int, vocab: int, cut: str = "sort"
+) -> Callable[[mx.array], list[mx.array]]:
     states = [RowSampling(params, vocab) for _ in range(rows)]
     for s in states:
         s.start_window(list(range(100, 140)), vocab)
-    sampler = BatchSampler(states, vocab)
+    sampler = BatchSampler(states, vocab, cut=cut)
     fed = mx.arange(rows, dtype=mx.uint32)
 
     def step(logits: mx.array) -> list[mx.array]:
@@ -100,20 +104,22 @@ def main() -> None:
     dtype = getattr(mx, a.dtype)
     print(f"device {mx.default_device()}, vocabulary {a.vocab}, {a.dtype}, ms a step (median)")
     print(
-        "| rows | greedy | batched | per-row | per-row / batched | batched+proc "
+        "| rows | greedy | batched | histogram | per-row | per-row / batched | batched+proc "
         "| per-row+proc | per-row / batched (+proc) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(x) for x in a.rows.split(",")):
         logits = (mx.random.normal((rows, a.vocab)) * 3).astype(dtype)
         mx.eval(logits)
         greedy = timed(lambda x: [mx.argmax(x, axis=-1)], logits, a.steps)
         ours = timed(batched(SAMPLED, rows, a.vocab), logits, a.steps)
+        hist = timed(batched(SAMPLED, rows, a.vocab, "histogram"), logits, a.steps)
         stock = timed(per_row(SAMPLED, rows), logits, a.steps)
         ours_p = timed(batched(PROCESSED, rows, a.vocab), logits, a.steps)
         stock_p = timed(per_row(PROCESSED, rows), logits, a.steps)
         print(
-            f"| {rows} | {greedy:.1f} | {ours:.1f} | {stock:.1f} | {stock / ours:.1f}x | "
+            f"| {rows} | {greedy:.1f} | {ours:.1f} | {hist:.1f} | {stock:.1f} | "
+            f"{stock / ours:.1f}x | "
             f"{ours_p:.1f} | {stock_p:.1f} | {stock_p / ours_p:.1f}x |",
             flush=True,
         )

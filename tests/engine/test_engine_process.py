@@ -297,7 +297,7 @@ def test_the_childs_prefix_cache_survives_a_restart_on_disk(make_process, tmp_pa
     answer = [t.token_id for t in first.submit(request(prompt, 12)).collect(60)[0]]
     first.shutdown(5)
     assert len(list(tmp_path.rglob("*.safetensors"))) == (80 + 12) // 16
-    again = make_process(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    again = make_process(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), prefix_cache_preload_gb=0)
     tokens, finish = again.submit(request(prompt, 12)).collect(60)
     assert [t.token_id for t in tokens] == answer
     assert finish.usage.cached_tokens == 79 // 16 * 16

@@ -55,15 +55,53 @@ def test_each_rows_filters_keep_what_mlx_lms_keep(params, seed):
     sampler = BatchSampler([RowSampling(p, VOCAB) for p in params], VOCAB)
     if not sampler.sampled:
         return
-    on_device = _filter(lp, *args_of(sampler), sampler.uses_sort)
+    on_device = _filter(lp, *args_of(sampler), "sort" if sampler.uses_sort else "")
     cut = _host_rank_cut(lp, sampler.top_p, sampler.top_k)  # the CPU's way: sorted by numpy
-    on_host = _filter(lp, *args_of(sampler), False, cut)
+    on_host = _filter(lp, *args_of(sampler), "host", True, cut)
     for ours in (np.isfinite(np.array(on_device)), np.isfinite(np.array(on_host))):
         for i, p in enumerate(params):
             expected = np.ones(VOCAB, bool)
             if not p.greedy:
                 expected = np.isfinite(np.array(stock_filter(lp[i : i + 1], p)))[0]
             assert (ours[i] == expected).all(), (i, p)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    params=st.lists(row_params, min_size=1, max_size=6),
+    seed=st.integers(0, 2**31),
+    levels=st.sampled_from([0, 5, 40]),
+    dtype=st.sampled_from([mx.bfloat16, mx.float16]),
+    vocab=st.sampled_from([VOCAB, 5000]),
+)
+def test_the_histogram_cut_keeps_what_the_sort_keeps(params, seed, levels, dtype, vocab):
+    """16-bit logits (a GPU model's): the sort-free top_p / top_k cut keeps exactly the sorted
+    cut's tokens, ties (few distinct values: ``levels``), masked tokens (-inf) and negative
+    values included."""
+    logits = mx.random.normal((len(params), vocab), key=mx.random.key(seed)) * 4
+    if levels:
+        logits = mx.round(logits * levels / 8) * 8 / levels
+    logits = mx.where(mx.arange(vocab) % 11 == 3, -mx.inf, logits).astype(dtype)
+    sampler = BatchSampler([RowSampling(p, vocab) for p in params], vocab)
+    if not sampler.sampled or not sampler.uses_sort:
+        return
+    by_sort = _filter(logits, *args_of(sampler), "sort")
+    by_histogram = _filter(logits, *args_of(sampler), "histogram", sampler.uses_top_k)
+    assert np.array_equal(np.isfinite(np.array(by_sort.astype(mx.float32))),
+                          np.isfinite(np.array(by_histogram.astype(mx.float32))))  # fmt: skip
+
+
+def test_a_seeded_draw_is_the_same_by_histogram_or_sort():
+    params = [
+        SamplingParams(0.8, top_p=0.9, top_k=30, seed=5),
+        SamplingParams(1.0, top_p=0.5, seed=6),
+    ]
+    logits = (mx.random.normal((2, 3000), key=mx.random.key(1)) * 3).astype(mx.bfloat16)
+    tokens = []
+    for cut in ("sort", "histogram"):
+        sampler = BatchSampler([RowSampling(p, 3000) for p in params], 3000, cut=cut)
+        tokens.append([sampler.draw(logits).tokens.tolist() for _ in range(5)])
+    assert tokens[0] == tokens[1]
 
 
 def args_of(sampler: BatchSampler) -> tuple:

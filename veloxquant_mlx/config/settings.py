@@ -156,6 +156,13 @@ class Settings(BaseSettings):
         "exp2 (as powers of two: MLX's CPU exp is about 2.5x slower than its power), auto "
         "(exp2 on a CPU, exp on a GPU).",
     )
+    sampling_cut: Literal["auto", "sort", "histogram"] = Field(
+        "auto",
+        description="How sampled rows' top_p / top_k cut is found: sort (one sort of the "
+        "step's logits), histogram (the probability mass at each of the 65,536 values of "
+        "16-bit logits, summed from the top: the same tokens, no sort), auto (histogram on a "
+        "GPU, sort elsewhere; a CPU model's float32 logits are cut on the host).",
+    )
     prefill_attention: Literal["auto", "sdpa", "matmul"] = Field(
         "auto",
         description="How a prefill chunk attends: sdpa (MLX's; on CUDA cuDNN, which builds a "

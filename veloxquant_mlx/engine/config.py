@@ -66,6 +66,9 @@ class EngineConfig:
     # How the engine's prefill chunks attend (kv/attention.py): "sdpa" (MLX's), "matmul"
     # (grouped products), "auto" (matmul on CUDA, where cuDNN builds a graph per new shape).
     prefill_attention: str = "auto"
+    # How sampled rows' top_p / top_k cut is found ("sort", "histogram" or "auto";
+    # request/sampling.py, model/choices.py sampling_cut).
+    sampling_cut: str = "auto"
     # Prefill widths padded to a multiple of this (cuBLAS plans per shape); None: 64 on CUDA,
     # 0 (none) elsewhere (kv/attention.py).
     prefill_bucket: int | None = None

@@ -63,6 +63,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         ragged_attention=settings.ragged_attention,
         attention_softmax=settings.attention_softmax,
         prefill_attention=settings.prefill_attention,
+        sampling_cut=settings.sampling_cut,
         prefill_bucket=settings.prefill_bucket,
         prefill_stream=settings.prefill_stream,
         prefill_join=settings.prefill_join,

@@ -109,9 +109,11 @@ class Runner:
         block_size: int = 16,
         prefill_stream: bool = False,
         join_when_ready: bool = False,
+        sampling_cut: str = "sort",
     ) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
+        self.sampling_cut = sampling_cut  # the sampler's top_p / top_k cut (BatchSampler)
         self.block_size = block_size
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
@@ -325,7 +327,9 @@ class Runner:
     ) -> BatchSampler:
         asked = [s.handle.request for s in seqs if s is not None and s.handle.request.logprobs]
         top = max((r.top_logprobs for r in asked), default=0) if asked else None
-        return BatchSampler([_sampling(s) for s in seqs], self.vocab_size, top, previous)
+        return BatchSampler(
+            [_sampling(s) for s in seqs], self.vocab_size, top, previous, self.sampling_cut
+        )
 
     def _sample_first(self, seqs: list[Seq], logits: mx.array) -> Sampled:
         """The first tokens of prompts that complete their prefill (their windows start from

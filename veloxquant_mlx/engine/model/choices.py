@@ -88,3 +88,12 @@ def prefill_stall_ratio(cfg: EngineConfig, grouped: bool = False) -> float:
             log.info("--prefill-stall-ratio: the prefill budget stays fixed in a group")
         return 0.0
     return cfg.prefill_stall_ratio
+
+
+def sampling_cut(cfg: EngineConfig) -> str:
+    """How sampled rows' top_p / top_k cut is found: ``--sampling-cut``, "auto" being the
+    histogram on a GPU (BENCHMARKS.md, "Sampled traffic against greedy") and the sort
+    elsewhere (a CPU model's float32 logits are cut on the host: ``HOST_RANK_CUT``)."""
+    if cfg.sampling_cut != "auto":
+        return cfg.sampling_cut
+    return "histogram" if mx.default_device() == mx.gpu else "sort"

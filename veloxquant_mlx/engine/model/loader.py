@@ -23,6 +23,7 @@ from veloxquant_mlx.engine.model.choices import (
     prefill_join,
     prefill_stall_ratio,
     prefill_stream,
+    sampling_cut,
 )
 from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
@@ -346,7 +347,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
     joins = prefill_join(cfg)
-    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream, joins)
+    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream, joins, sampling_cut(cfg))
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,

@@ -110,8 +110,10 @@ class BatchSampler:
         vocab_size: int,
         top_logprobs: int | None = None,
         previous: BatchSampler | None = None,
+        cut: str = "sort",
     ) -> None:
         self.rows = list(rows)
+        self.cut = cut
         self.vocab_size = vocab_size
         self.top_logprobs = top_logprobs
         real = [_NEUTRAL if r is None else r for r in self.rows]
@@ -136,6 +138,7 @@ class BatchSampler:
             sampled = [r for r in real if r.inv_temp > 0]
             self.uses_min_p = any(r.min_p > 0.0 for r in sampled)
             self.uses_sort = any(r.top_p < 1.0 or r.top_k > 0 for r in sampled)
+            self.uses_top_k = any(r.top_k > 0 for r in sampled)
         self.penalized = any(r.penalized for r in real)
         self.window: mx.array | None = None
         if self.penalized:
@@ -216,8 +219,13 @@ class BatchSampler:
         state: list[mx.array] = [] if self.window is None else [self.window]
         if self.sampled:
             assert self.keys is not None
-            on_host = self.uses_sort and HOST_RANK_CUT and mx.default_device() == mx.cpu
-            draw = _compiled_draw(self.uses_min_p, self.uses_sort and not on_host, on_host)
+            ranks = "sort" if self.uses_sort else ""
+            if ranks and self.cut == "histogram" and logits.dtype in HALF:
+                ranks = "histogram"
+            elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
+                ranks = "host"
+            on_host = ranks == "host"
+            draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)
             extra = [_host_rank_cut(logits, self.top_p, self.top_k)] if on_host else []
             tokens, self.keys = draw(
                 logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p, *extra
@@ -265,29 +273,32 @@ def _draw(
     rank_cut: mx.array | None = None,
     *,
     uses_min_p: bool,
-    uses_sort: bool,
+    ranks: str,
+    uses_top_k: bool,
 ) -> tuple[mx.array, mx.array]:
     """Each row's token (a Gumbel-max draw from its filtered, tempered logits with its own
     key; the argmax for greedy rows) and each row's next key."""
     pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
     vocab = logits.shape[-1]
     noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
-    kept = _filter(logits, top_p, top_k, min_p, uses_min_p, uses_sort, rank_cut)
+    kept = _filter(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k, rank_cut)
     drawn = mx.argmax(kept * inv_temp.astype(logits.dtype) + noise, axis=-1)
     return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), pairs[:, 0]
 
 
 @functools.cache
-def _compiled_draw(uses_min_p: bool, uses_sort: bool, rank_cut: bool) -> Any:
-    """``_draw`` compiled once per filter combination (MLX traces it again per batch size)."""
-    if rank_cut:
-        return mx.compile(functools.partial(_draw, uses_min_p=uses_min_p, uses_sort=uses_sort))
+def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool) -> Any:
+    """``_draw`` compiled once per filter combination (MLX traces it again per batch size).
+    ``ranks``: how the top_p / top_k cut is made ("sort", "histogram", "host": given as
+    ``rank_cut``; "": no row cuts by rank or mass)."""
+    draw = functools.partial(_draw, uses_min_p=uses_min_p, ranks=ranks, uses_top_k=uses_top_k)
+    if ranks == "host":
+        return mx.compile(draw)
     return mx.compile(
-        lambda logits, keys, inv_temp, top_p, top_k, min_p: _draw(
-            logits, keys, inv_temp, top_p, top_k, min_p, None, uses_min_p=uses_min_p,
-            uses_sort=uses_sort,
+        lambda logits, keys, inv_temp, top_p, top_k, min_p: draw(
+            logits, keys, inv_temp, top_p, top_k, min_p, None
         )
-    )  # fmt: skip
+    )
 
 
 # On a CPU, MLX's sort of a [rows, vocab] array costs more than the rest of sampling (26 ms
@@ -320,12 +331,15 @@ def _filter(
     top_k: mx.array,
     min_p: mx.array,
     uses_min_p: bool,
-    uses_sort: bool,
+    ranks: str,
+    uses_top_k: bool = True,
     rank_cut: mx.array | None = None,
 ) -> mx.array:
     """``logits`` with every token below its row's min_p / top_p / top_k cut at -inf (rows
-    set 1.0 / 0 / 0.0 to skip one; ``rank_cut``: the top_p / top_k cut, made already)."""
-    if not (uses_min_p or uses_sort or rank_cut is not None):
+    set 1.0 / 0 / 0.0 to skip one). ``ranks``: how the top_p / top_k cut is made: "sort" (one
+    sort of the rows), "histogram" (``_histogram_keys``: 16-bit floats only), "host" (made
+    already: ``rank_cut``), "" (no row cuts by rank or mass)."""
+    if not (uses_min_p or ranks):
         return logits
     vocab = logits.shape[-1]
     floor = mx.array(-mx.inf, dtype=logits.dtype)
@@ -336,7 +350,10 @@ def _filter(
         top = mx.max(logits, axis=-1, keepdims=True)
         cut = top + mx.log(mx.maximum(min_p, 1e-30)).astype(logits.dtype)
         threshold = mx.maximum(threshold, mx.where(min_p > 0, cut, floor))
-    if uses_sort:  # one sort for every row that filters by rank or mass
+    if ranks == "histogram":
+        key, least = _histogram_keys(logits, top_p, top_k, uses_top_k)
+        return mx.where((logits >= threshold) & (key >= least), logits, floor)
+    if ranks == "sort":  # one sort for every row that filters by rank or mass
         ascending = mx.sort(logits, axis=-1)
         probs = mx.exp((ascending - ascending[:, -1:]).astype(mx.float32))
         mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
@@ -348,6 +365,35 @@ def _filter(
         kth = mx.take_along_axis(ascending, mx.maximum(vocab - top_k, 0), axis=-1)
         threshold = mx.maximum(threshold, mx.where(top_k > 0, kth, floor))
     return mx.where(logits >= threshold, logits, floor)
+
+
+HALF = (mx.bfloat16, mx.float16)  # the logits ``_histogram_keys`` takes: 65,536 values
+
+
+def _histogram_keys(
+    logits: mx.array, top_p: mx.array, top_k: mx.array, uses_top_k: bool
+) -> tuple[mx.array, mx.array]:
+    """The top_p / top_k cut without a sort, for 16-bit float logits: each token's value as an
+    order-preserving 16-bit key, and each row's least kept key. A histogram of the
+    probability mass (and, for top_k, the count) at each of the 65,536 keys, summed from the
+    top, gives the same cut as the sorted rows: top_p keeps every key whose mass above it is
+    short of top_p of the total (the lowest such key and all above), top_k every key with at
+    least k tokens at or above it; ties are kept together, as the sort's cut keeps them."""
+    rows = logits.shape[0]
+    bits = logits.view(mx.uint16).astype(mx.int32)
+    key = mx.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)  # negatives below positives
+    row = mx.arange(rows)[:, None]
+    probs = mx.exp((logits - mx.max(logits, axis=-1, keepdims=True)).astype(mx.float32))
+    mass = mx.zeros((rows, 1 << 16), dtype=mx.float32).at[row, key].add(probs)
+    above = mx.cumsum(mass, axis=-1, reverse=True, inclusive=False)
+    total = above[:, :1] + mass[:, :1]
+    least = mx.where(top_p < 1.0, (above >= top_p * total).sum(axis=-1, keepdims=True), 0)
+    if uses_top_k:
+        counts = mx.zeros((rows, 1 << 16), dtype=mx.int32).at[row, key].add(1)
+        at_or_above = mx.cumsum(counts, axis=-1, reverse=True)
+        kth = (at_or_above >= top_k).sum(axis=-1, keepdims=True) - 1
+        least = mx.maximum(least, mx.where(top_k > 0, kth, 0))
+    return key, least
 
 
 def bitmask_to_allowed(bits: np.ndarray, vocab_size: int) -> mx.array:
