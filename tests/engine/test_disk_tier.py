@@ -388,7 +388,7 @@ def test_a_restarted_engine_starts_with_its_conversations_in_memory(make_engine,
     first.shutdown(5)
     with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
         restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
-    lines = [r.getMessage() for r in caplog.records if "into memory" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "into memory in" in r.getMessage()]
     want = (70 + 30) // BS + (40 + 8) // BS
     assert lines == [f"prefix cache: {want} pages of 2 conversations read from disk into "
                      f"memory in {lines[0].rsplit(' in ', 1)[1]}"]  # fmt: skip

@@ -244,6 +244,10 @@ class Engine(HostBase):
                 runs.append(tokens)
         if not runs:
             return
+        log.info(
+            "prefix cache: reading %d conversations (%d tokens) from disk into memory before "
+            "the server is ready (--prefix-cache-preload-gb)", len(runs), sum(map(len, runs)),
+        )  # fmt: skip
         read = core.preload(runs[::-1])  # the most recent last: the newest in the LRU
         log.info(
             "prefix cache: %d pages of %d conversations read from disk into memory in %.1f s",
