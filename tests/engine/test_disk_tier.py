@@ -376,18 +376,21 @@ def test_a_bad_file_mid_run_ends_the_chain_there(make_engine, tmp_path, caplog):
     wait_idle(restarted)
 
 
-def test_a_restarted_engine_starts_with_its_conversations_in_memory(make_engine, tmp_path, caplog):
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_restarted_engine_starts_with_its_conversations_in_memory(
+    make_engine, tmp_path, caplog, layout
+):
     """``--prefix-cache-preload-gb`` (default: half the pool): before it is ready, the engine
     reads the disk tier's conversations into memory, so the next turn hits there and reads
     nothing from disk; the counters start at zero; the tokens are a cold prefill's."""
     rng = random.Random(21)
-    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+    first = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), kv_layout=layout)
     a, b = words(rng, 70), words(rng, 40)
     answer, _ = turn(first, a, 30)
     turn(first, b, 8)
     first.shutdown(5)
     with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
-        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path))
+        restarted = make_engine(kv_cache_mb=32, prefix_cache_dir=str(tmp_path), kv_layout=layout)
     lines = [r.getMessage() for r in caplog.records if "into memory in" in r.getMessage()]
     want = (70 + 30) // BS + (40 + 8) // BS
     assert lines == [f"prefix cache: {want} pages of 2 conversations read from disk into "
