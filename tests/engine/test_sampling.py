@@ -229,3 +229,44 @@ def test_top_k_at_or_past_the_vocabulary_is_refused():
             assert "top_k" in str(exc)
         else:
             raise AssertionError("accepted")
+
+
+def test_an_engine_with_the_histogram_cut_draws_the_sort_engines_tokens(
+    default_model_dir, monkeypatch
+):
+    """``--sampling-cut histogram`` end to end: a bfloat16 model (16-bit logits) on this CPU,
+    seeded top_p / top_k requests alone and batched give the sort engine's tokens (the sort
+    made on the host here), and the pool ends all free."""
+    from tests.engine.conftest import assert_engine_all_free, wait_idle
+    from veloxquant_mlx.engine.config import EngineConfig
+    from veloxquant_mlx.engine.hosts.thread import Engine
+    from veloxquant_mlx.engine.request import sampling
+    from veloxquant_mlx.engine.types import GenerationRequest
+
+    traced = []
+    keys = sampling._histogram_keys
+    monkeypatch.setattr(sampling, "_histogram_keys", lambda *a: traced.append(1) or keys(*a))
+    sampling._compiled_draw.cache_clear()
+    prompt = tuple(range(5, 40))
+    params = [SamplingParams(0.9, top_p=0.9, seed=s) for s in range(4)]
+    params.append(SamplingParams(0.7, top_p=0.8, top_k=40, seed=9))
+    got = {}
+    for cut in ("sort", "histogram"):
+        config = EngineConfig(model_cache_dir=str(default_model_dir.parent), kv_cache_mb=32,
+                              dtype="bfloat16", sampling_cut=cut)  # fmt: skip
+        engine = Engine(config).start()
+        try:
+            engine.wait_ready(120)
+            alone = engine.submit(GenerationRequest(prompt, 12, params[0])).collect(60)[0]
+            handles = [engine.submit(GenerationRequest(prompt, 12, p)) for p in params]
+            got[cut] = [[t.token_id for t in alone]] + [
+                [t.token_id for t in h.collect(60)[0]] for h in handles
+            ]
+            wait_idle(engine)
+            assert_engine_all_free(engine)
+        finally:
+            engine.shutdown(10)
+    sampling._compiled_draw.cache_clear()
+    assert traced, "the histogram engine's draws went through the histogram cut"
+    assert got["histogram"] == got["sort"]
+    assert got["sort"][0] == got["sort"][1]  # alone and batched

@@ -160,8 +160,8 @@ class Settings(BaseSettings):
         "auto",
         description="How sampled rows' top_p / top_k cut is found: sort (one sort of the "
         "step's logits), histogram (the probability mass at each of the 65,536 values of "
-        "16-bit logits, summed from the top: the same tokens, no sort), auto (histogram on a "
-        "GPU, sort elsewhere; a CPU model's float32 logits are cut on the host).",
+        "16-bit logits, summed from the top: the same tokens, no sort), auto (sort; a CPU "
+        "model's float32 logits are cut on the host).",
     )
     prefill_attention: Literal["auto", "sdpa", "matmul"] = Field(
         "auto",
