@@ -123,3 +123,33 @@ def test_a_file_of_another_writer_is_skipped(tmp_path, caplog):
     assert not first.exists()
     assert any("no checksum" in r.getMessage() for r in caplog.records)
     assert len(list(tmp_path.rglob("*.safetensors"))) == 1  # the second page's file stays
+
+
+def test_chains_are_the_conversations_newest_first_within_their_bounds(tmp_path):
+    """``DiskTier.chains``: each conversation once, from its first page to a page no other
+    continues, newest first; a shared first page counts once; the bounds cut the list."""
+    import os
+    import time
+
+    dtypes = (mx.float32,)
+    tier = DiskTier(tmp_path, 1 << 30, FP, 1, dtypes)
+    shared = list(range(BS))
+    convs = [shared + [50 + i] * BS + [80 + i] * BS for i in range(3)]
+    for n, tokens in enumerate(convs):
+        parent = tier.root_digest
+        for i in range(3):
+            page_tokens = tokens[i * BS : (i + 1) * BS]
+            digest = chain(parent, page_tokens)
+            tier.save(digest, page_tokens, page(1, dtypes, n * 3 + i), parent)
+            parent = digest
+    tier.close(60)
+    files = sorted(tmp_path.rglob("*.safetensors"), key=lambda f: f.stat().st_mtime)
+    for k, f in enumerate(files):  # a time each, in writing order
+        os.utime(f, (time.time() + k, time.time() + k))
+    tier = DiskTier(tmp_path, 1 << 30, FP, 1, dtypes)
+    try:
+        assert tier.chains(100) == convs[::-1]
+        assert tier.chains(100, max_runs=2) == convs[:0:-1]
+        assert tier.chains(4) == [convs[2], convs[1][: 2 * BS]]  # the shared page once
+    finally:
+        tier.close()

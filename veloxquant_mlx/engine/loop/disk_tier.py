@@ -59,6 +59,7 @@ QUEUE_PAGES = 1024  # pages waiting for the writer at most
 TMP = ".tmp"  # a file being written is "<digest>.<pid>.tmp.safetensors" until it is complete
 WARN_EVERY_S = 60.0  # failed writes are logged at most this often
 STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
+PRELOAD_RUNS = 256  # conversations a restarted engine reads back at most (one request each)
 
 
 @dataclass(slots=True)
@@ -234,13 +235,14 @@ class DiskTier:
             return
         self._writer.join(timeout)
 
-    def chains(self, max_pages: int) -> list[list[int]]:
+    def chains(self, max_pages: int, max_runs: int = PRELOAD_RUNS) -> list[list[int]]:
         """The conversations the tier holds, as token runs from their first page, the most
-        recently used first, at most ``max_pages`` pages in all (a page several share counts
-        once; the last run taken may be cut short): each ends at a page no other file goes on
-        from. Reads the newest files' headers only (a file whose header fails its checks is
-        skipped with one log line and removed); a run whose chain back to the root misses a
-        file is left out. Before the engine is ready."""
+        recently used first, at most ``max_runs`` of them and ``max_pages`` pages in all (a
+        page several share counts once; the last run taken may be cut short): each ends at a
+        page no other file goes on from. Reads the newest files' headers only (files whose
+        header fails its checks are skipped, with one log line for all, and removed); a run
+        whose chain back to the root misses a file is left out. Before the engine is
+        ready."""
         with self._lock:
             names = list(reversed(self._index))[: 4 * max_pages]  # newest first
         nodes: dict[str, tuple[str, list[int]]] = {}
@@ -274,7 +276,7 @@ class DiskTier:
             if path:
                 taken.update(path)
                 out.append([t for name in path for t in nodes[name][1]])
-            if len(taken) >= max_pages:
+            if len(taken) >= max_pages or len(out) >= max_runs:
                 break
         return out
 
