@@ -19,6 +19,7 @@ import pytest
 from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine
 from veloxquant_mlx.engine.loop import disk_tier, page_file
+from veloxquant_mlx.engine.loop.disk_read import PageReader
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 
@@ -186,14 +187,14 @@ def test_a_request_waits_for_its_disk_read_while_the_others_run(make_engine, tmp
     turn(first, prompt, 4)
     first.shutdown(5)
     gate, reading = threading.Event(), threading.Event()
-    read = DiskTier._read_file
+    read = PageReader._read_file
 
     def slow_disk(self, *args):  # a slow disk: the reader thread waits, the engine must not
         reading.set()
         assert gate.wait(60)
         return read(self, *args)
 
-    monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
+    monkeypatch.setattr(PageReader, "_read_file", slow_disk)
     turns = []
     restarted = make_engine(
         kv_cache_mb=32,
@@ -230,7 +231,7 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
         turn(first, p, 4)
     first.shutdown(5)
     gate = threading.Event()
-    read, start = DiskTier._read_file, DiskTier.start_read
+    read, start = PageReader._read_file, DiskTier.start_read
     started = []
 
     def slow_disk(self, *args):
@@ -243,7 +244,7 @@ def test_at_most_two_requests_hold_a_disk_read(make_engine, tmp_path, monkeypatc
             started.append(future)
         return future
 
-    monkeypatch.setattr(DiskTier, "_read_file", slow_disk)
+    monkeypatch.setattr(PageReader, "_read_file", slow_disk)
     monkeypatch.setattr(DiskTier, "start_read", counted)
     turns = []
     restarted = make_engine(

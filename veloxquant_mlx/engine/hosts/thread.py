@@ -24,8 +24,8 @@ from veloxquant_mlx.engine.hosts.base import HostBase, wait_cancellable
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.loop.core import EngineCore, Parts
-from veloxquant_mlx.engine.loop.disk_tier import DiskTier
 from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
+from veloxquant_mlx.engine.loop.preload import preload
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.loop.warmup import long_context, warm_up_waves
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
@@ -213,46 +213,13 @@ class Engine(HostBase):
                 hits,
             )
         if rt.disk is not None and rt.group is None:
-            self._preload(rt.disk, rt.kv_bytes_per_block)
+            preload(self._core, rt.disk, self.config, rt.kv_bytes_per_block)
         self._loaded(info, parts)
         if rt.group is not None:
             watchdog = threading.Thread(
                 target=self._watch_group, name="veloxquant-group-watchdog", daemon=True
             )
             watchdog.start()
-
-    def _preload(self, disk: DiskTier, block_bytes: int) -> None:
-        """The disk tier's most recent conversations into the memory cache
-        (``--prefix-cache-preload-gb``), before the engine is ready."""
-        core = self._core
-        assert core is not None
-        blocks = core.scheduler.blocks
-        pool_pages = min(blocks.pool.n_total(s) for s in blocks.streams) // blocks.per_page
-        pages = pool_pages // 2
-        gib = self.config.prefix_cache_preload_gb
-        if gib is not None:
-            page_bytes = block_bytes * 2 * blocks.n_layers  # K and V of every layer
-            pages = min(int(gib * 2**30) // max(1, page_bytes), pool_pages - 1)
-        if pages <= 0:
-            return
-        started = time.monotonic()
-        runs = []
-        for tokens in disk.chains(pages):
-            while tokens and not blocks.could_ever_fit(len(tokens) + 1):
-                tokens = tokens[: -self.config.block_size]
-            if tokens:
-                runs.append(tokens)
-        if not runs:
-            return
-        log.info(
-            "prefix cache: reading %d conversations (%d tokens) from disk into memory before "
-            "the server is ready (--prefix-cache-preload-gb)", len(runs), sum(map(len, runs)),
-        )  # fmt: skip
-        read = core.preload(runs[::-1])  # the most recent last: the newest in the LRU
-        log.info(
-            "prefix cache: %d pages of %d conversations read from disk into memory in %.1f s",
-            read, len(runs), time.monotonic() - started,
-        )  # fmt: skip
 
     def _watch_group(self) -> None:
         """A turn that waits on the other ranks past ``group_timeout`` (a rank stopped, or the

@@ -12,10 +12,11 @@ survives restarts).
 Writes go through one writer thread with a bounded queue (a full queue drops the page: the tier
 is a cache); a page queued and not yet written is served from its copy in memory, so a prompt
 that arrives right after its pages were evicted finds them. Reads go through one reader thread
-(``start_read``): a request whose next pages are on disk waits for them outside the engine's
-steps, which go on for everyone else; the reader checks each file and copies its bytes once,
-straight into the run's joined arrays (``page_file.Segment``), and the engine thread only takes
-the result (``run_kv``).
+(``start_read``; ``disk_read.PageReader``): a request whose next pages are on disk waits for
+them outside the engine's steps, which go on for everyone else; the reader checks each file and
+copies its bytes once, straight into the run's joined arrays, and the engine thread only takes
+the result (``run_kv``). Before a restarted engine is ready, ``chains`` names the conversations
+to read back into memory.
 """
 
 from __future__ import annotations
@@ -29,22 +30,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import xxhash
 
+from veloxquant_mlx.engine.loop.disk_read import PageReader, Run, conversations
 from veloxquant_mlx.engine.loop.page_file import (
     SUFFIX,
-    Layout,
-    Segment,
     arrays_of,
     layers_of,
     part_of,
-    read_header,
     read_meta,
     reason,
     write_page,
@@ -60,18 +57,6 @@ TMP = ".tmp"  # a file being written is "<digest>.<pid>.tmp.safetensors" until i
 WARN_EVERY_S = 60.0  # failed writes are logged at most this often
 STALE_TMP_S = 600  # one that old was left by a crash (another server may share the directory)
 PRELOAD_RUNS = 256  # conversations a restarted engine reads back at most (one request each)
-
-
-@dataclass(slots=True)
-class Run:
-    """The pages a read found, from page ``first`` on: ``segments`` in chain order, each ``(n
-    pages, the page's arrays by name)``, the arrays of consecutive files joined along the
-    token axis by the reader (raw: ``run_kv`` gives them their dtype), a page still queued for
-    the writer as its copy."""
-
-    first: int
-    n_pages: int
-    segments: list[tuple[int, dict[str, mx.array]]]
 
 
 class DiskTier:
@@ -125,9 +110,7 @@ class DiskTier:
         )
         self._writer = threading.Thread(target=self._write_loop, name="vq-disk-tier", daemon=True)
         self._writer.start()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vq-disk-read")
-        self._buffer = bytearray()  # the reader's: the file being read
-        self._closing = False
+        self._reader = PageReader(self)
         self.on_read: Callable[[], None] = lambda: None  # a read finished (the engine wakes)
         self._trim()
         log.info(
@@ -162,7 +145,7 @@ class DiskTier:
         when it lacks page ``first``."""
         if first >= limit or not self.has_page(tokens, first, parent, bs):
             return None
-        future = self._reader.submit(self._read_run, tokens, first, parent, limit, bs)
+        future = self._reader.start(tokens, first, parent, limit, bs)
         future.add_done_callback(lambda _: self.on_read())
         return future
 
@@ -224,10 +207,7 @@ class DiskTier:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the reader; write what is queued (for at most ``timeout`` seconds), then stop
         the writer."""
-        if not self._closing:
-            self._closing = True  # reads not started yet find nothing
-            self._reader.submit(mx.clear_streams)  # MLX's streams of the reader thread
-            self._reader.shutdown(wait=True)
+        self._reader.close()
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
@@ -236,13 +216,9 @@ class DiskTier:
         self._writer.join(timeout)
 
     def chains(self, max_pages: int, max_runs: int = PRELOAD_RUNS) -> list[list[int]]:
-        """The conversations the tier holds, as token runs from their first page, the most
-        recently used first, at most ``max_runs`` of them and ``max_pages`` pages in all (a
-        page several share counts once; the last run taken may be cut short): each ends at a
-        page no other file goes on from. Reads the newest files' headers only (files whose
-        header fails its checks are skipped, with one log line for all, and removed); a run
-        whose chain back to the root misses a file is left out. Before the engine is
-        ready."""
+        """The conversations the tier holds (``disk_read.conversations``), from the newest
+        files' headers only (files whose header fails its checks are skipped, with one log
+        line for all, and removed). Before the engine is ready."""
         with self._lock:
             names = list(reversed(self._index))[: 4 * max_pages]  # newest first
         nodes: dict[str, tuple[str, list[int]]] = {}
@@ -260,122 +236,23 @@ class DiskTier:
                 self._forget(name, unlink=True)
         if bad:
             log.warning("prefix cache on disk: skipped %d file(s) (%s)", len(bad), bad[0])
-        continued = {parent for parent, _ in nodes.values()}
-        root, taken, out = self.root_digest.hex(), set[str](), []
-        for leaf in (n for n in nodes if n not in continued):
-            path, at = [], leaf
-            while at in nodes:
-                path.append(at)
-                at = nodes[at][0]
-            if at != root:
-                continue
-            path.reverse()
-            room = max_pages - len(taken)
-            while len(set(path) - taken) > room:
-                path.pop()
-            if path:
-                taken.update(path)
-                out.append([t for name in path for t in nodes[name][1]])
-            if len(taken) >= max_pages or len(out) >= max_runs:
-                break
-        return out
+        return conversations(nodes, self.root_digest.hex(), max_pages, max_runs)
 
-    # ------------------------------------------------------------------ reader thread
+    # ------------------------------------------------------------------ the reader's side
 
-    def _read_run(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
-        if self._closing:
-            return Run(first, 0, [])
-        t0 = time.perf_counter()
-        run = self._collect(tokens, first, parent, limit, bs)
-        log.debug(
-            "prefix cache on disk: read %d page(s) from page %d in %.0f ms",
-            run.n_pages, first, (time.perf_counter() - t0) * 1000,
-        )  # fmt: skip
-        return run
+    def lookup(self, name: str) -> tuple[tuple[list[int], dict[str, mx.array]] | None, bool]:
+        """Page ``name``'s copy queued for the writer (its tokens and arrays) if any, and
+        whether its file is in the index."""
+        with self._lock:
+            return self._pending.get(name), name in self._index
 
-    def _collect(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
-        run = Run(first, 0, [])
-        seg: Segment | None = None  # consecutive pages read from files, into their place
-        filled = 0
-
-        def flush() -> None:
-            nonlocal seg, filled
-            if seg is not None and filled:
-                run.segments.append((filled, seg.arrays(filled)))
-            seg, filled = None, 0
-
-        for i in range(first, limit):
-            page_tokens = tokens[i * bs : (i + 1) * bs]
-            digest = chain(parent, page_tokens)
-            name = digest.hex()
-            with self._lock:
-                pending, on_disk = self._pending.get(name), name in self._index
-            if pending is not None and pending[0] == page_tokens:
-                flush()
-                run.segments.append((1, pending[1]))
-            elif on_disk:
-                page = self._read_file(digest, page_tokens, seg.layout if seg else None)
-                if page is None:
-                    break
-                if seg is None:
-                    ahead = self._files_ahead(tokens, i, parent, limit, bs)
-                    seg = Segment(page[0], ahead, self.n_layers)
-                seg.fill(filled, page[1])
-                filled += 1
-            else:
-                break
-            run.n_pages += 1
-            parent = digest
-        flush()
-        return run
-
-    def _files_ahead(
-        self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
-    ) -> int:
-        """How many pages from ``first`` on the tier holds as files (not queued), in a row."""
-        n = 0
-        for i in range(first, limit):
-            parent = chain(parent, tokens[i * bs : (i + 1) * bs])
-            name = parent.hex()
-            with self._lock:
-                if name not in self._index or name in self._pending:
-                    break
-            n += 1
-        return max(n, 1)
-
-    def _read_file(
-        self, digest: bytes, tokens: list[int], layout: Layout | None
-    ) -> tuple[Layout, memoryview] | None:
-        """Page ``digest``'s layout and data (in the reader's buffer, valid until the next
-        read) once its file passes ``page_file.read_header``'s checks, has that many bytes and
-        their checksum, and has ``layout`` where given; else None (one log line, the file
-        removed). A hit refreshes the file's place in the LRU order."""
-        name = digest.hex()
-        path = self.dir / (name + SUFFIX)
-        try:
-            with path.open("rb", buffering=0) as f:
-                got, checksum = read_header(f, self.fp, name, tokens, self.n_layers, self.dtypes)
-                if layout is not None and got != layout:
-                    raise ValueError("not this tier's layout")
-                if len(self._buffer) < got.size:
-                    self._buffer = bytearray(got.size)
-                data = memoryview(self._buffer)[: got.size]
-                n = 0
-                while n < got.size and (k := f.readinto(data[n:])):
-                    n += k
-                if n != got.size or f.read(1):
-                    raise ValueError("its size does not match its header")
-            if xxhash.xxh3_64_hexdigest(data) != checksum:
-                raise ValueError("its bytes do not match their checksum")
-        except Exception as exc:  # a bad file is a miss, never a failure
-            self.refuse(digest, exc)
-            return None
+    def touched(self, name: str) -> None:
+        """A file was read: it goes to the LRU order's end, its time to now."""
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
         with contextlib.suppress(OSError):
-            os.utime(path)
-        return got, data
+            os.utime(self.dir / (name + SUFFIX))
 
     # ------------------------------------------------------------------ writer thread
 
