@@ -153,3 +153,39 @@ def test_chains_are_the_conversations_newest_first_within_their_bounds(tmp_path)
         assert tier.chains(4) == [convs[2], convs[1][: 2 * BS]]  # the shared page once
     finally:
         tier.close()
+
+
+def test_conversations_survive_headers_that_name_a_cycle():
+    """Parents named by broken headers (a cycle, a missing page) leave their runs out; the
+    walk ends."""
+    from veloxquant_mlx.engine.loop.disk_read import conversations
+
+    nodes = {
+        "c": ("b", [3]),
+        "b": ("a", [2]),
+        "a": ("root", [1]),
+        "y": ("x", [9]),
+        "x": ("z", [8]),
+        "z": ("x", [7]),  # x -> z -> x
+        "q": ("gone", [5]),
+    }
+    assert conversations(nodes, "root", 100, 10) == [[1, 2, 3]]
+
+
+def test_a_header_whose_tokens_are_not_ids_is_skipped_at_start(tmp_path):
+    dtypes = (mx.float32,)
+    write(tmp_path, 1, dtypes, 2)
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    data = files[0].read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["tokens"] = json.dumps({"a": 1})
+    raw = json.dumps(header).encode()
+    files[0].write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    tier = DiskTier(tmp_path, 1 << 30, FP, 1, dtypes)
+    try:
+        runs = tier.chains(100)
+        assert all(type(t) is int for run in runs for t in run)
+        assert tier.skipped == 1 and not files[0].exists()
+    finally:
+        tier.close()

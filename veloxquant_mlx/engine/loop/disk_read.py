@@ -183,8 +183,9 @@ def conversations(
     taken: set[str] = set()
     out: list[list[int]] = []
     for leaf in (n for n in nodes if n not in continued):
-        path, at = [], leaf
-        while at in nodes:
+        path: list[str] = []
+        at = leaf
+        while at in nodes and len(path) <= len(nodes):  # a broken header's cycle ends too
             path.append(at)
             at = nodes[at][0]
         if at != root:

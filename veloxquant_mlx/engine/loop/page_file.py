@@ -167,7 +167,9 @@ def read_meta(f: BinaryIO, fp: str, name: str) -> dict[str, str]:
         ValueError: (or another error of a short or broken file) it is not.
     """
     meta = _checked_meta(_header(f).get("__metadata__") or {}, fp, name)
-    json.loads(meta["tokens"])
+    tokens = json.loads(meta["tokens"])
+    if not tokens or not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ValueError("its tokens are not token ids")
     return meta
 
 
