@@ -27,7 +27,7 @@ from veloxquant_mlx.engine.loop.core import EngineCore, Parts
 from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
 from veloxquant_mlx.engine.loop.preload import preload
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
-from veloxquant_mlx.engine.loop.warmup import long_context, warm_up_waves
+from veloxquant_mlx.engine.loop.warmup import long_context, run_warm_up, warm_up_waves
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
 from veloxquant_mlx.engine.model import loader
 from veloxquant_mlx.engine.request.checks import score_problem
@@ -201,7 +201,7 @@ class Engine(HostBase):
                 ),
             )
             try:
-                n, hits = self._core.warm_up(waves)
+                n, hits = run_warm_up(self._core, waves)
             except (RuntimeError, ValueError) as exc:  # a shape these flags cannot run here
                 raise RuntimeError(
                     f"the warm-up's requests failed on {rt.device}: {_first_line(exc)}"

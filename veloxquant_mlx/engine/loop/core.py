@@ -31,13 +31,11 @@ from veloxquant_mlx.engine.loop.commands import (
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
 from veloxquant_mlx.engine.loop.group import Group
 from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
-from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
 from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource
-from veloxquant_mlx.engine.loop.warmup import PRELOAD_ID, WARM_UP_ID
 from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarCompiler, GrammarRow
@@ -52,7 +50,6 @@ from veloxquant_mlx.engine.types import (
     REQUEST_FAILED,
     EngineNotReadyError,
     GenerationRequest,
-    SamplingParams,
 )
 
 log = logging.getLogger("veloxquant.engine")
@@ -287,73 +284,32 @@ class EngineCore:
         if self.scheduler.cache is not None:
             self.scheduler.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
 
-    def warm_up(self, waves: list[list[GenerationRequest]]) -> tuple[int, int]:
-        """Run ``waves`` of synthetic requests (``warmup``), each to its end, then drop what
-        they left: cached pages, counters, the published snapshot. Before the engine is ready
-        (nothing else runs). Returns how many requests ran and the prompt tokens they found
-        cached (the long conversation's second turn)."""
-        n = 0
-        sched, cache = self.scheduler, self.scheduler.cache
-        hooks = (sched.disk, None if cache is None else cache.on_evict)
-        sched.disk = None  # the synthetic prompts neither read nor write the disk tier
-        if cache is not None:
-            cache.on_evict = None
-        for wave in waves:
-            for request in wave:
-                handle = RequestHandle(WARM_UP_ID + n, request)
-                seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
-                self._live[handle.request_id] = seq
-                self.scheduler.waiting.append(seq)
-                n += 1
-            while self._busy() or self._inflight:
-                self._turn()
-        hits = 0 if cache is None else cache.counts.hits
-        self.runner.restart_join_clock()
-        self.scheduler.budget.reset()
-        self.scheduler.reset_cache()
-        sched.disk = hooks[0]
-        if cache is not None:
-            cache.on_evict = hooks[1]
-        self.scheduler.preemptions = 0
-        if self.scheduler.cache is not None:
-            self.scheduler.cache.counts = CacheCounts()
-        with self.inbox.lock:
-            self.inbox.counters = Counters()
-        self._publish()
-        return n, hits
-
-    def preload(self, prompts: list[list[int]]) -> int:
-        """Before the engine is ready: a one-token request for each of ``prompts`` (the disk
-        tier's conversations, ``DiskTier.chains``, the most recent last), each its tokens and
-        one more, so every full page of it is read from disk and cached in memory as if its
-        conversation had just run. The counters stay as they were (nothing was asked).
-        Returns the pages read from disk."""
-        disk, cache = self.parts.disk, self.scheduler.cache
-        if disk is None or cache is None:
-            return 0
-        before, counts = disk.hits, (cache.counts.queries, cache.counts.hits)
-        greedy = SamplingParams(temperature=0.0)
-        for i, tokens in enumerate(prompts):
-            request = GenerationRequest((*tokens, tokens[-1]), 1, greedy)
-            handle = RequestHandle(PRELOAD_ID + i, request)
+    def run_before_ready(self, requests: Sequence[GenerationRequest], first_id: int) -> None:
+        """Before the engine is ready (nothing else runs): queue ``requests`` (request ids from
+        ``first_id``) and run turns until every one has ended, sleeping while all wait for
+        the disk's reads (``_wake``). The warm-up's and the preload's (``warmup``,
+        ``preload``)."""
+        for i, request in enumerate(requests):
+            handle = RequestHandle(first_id + i, request)
             seq = Seq(handle, list(request.prompt_tokens), len(request.prompt_tokens))
             self._live[handle.request_id] = seq
             self.scheduler.waiting.append(seq)
-        while self._live or self._inflight:  # nothing else runs before ready
+        while self._live or self._inflight:
             if self._busy() or self._inflight:
                 self._turn()
-            else:  # waiting for the disk's reads (``_wake``)
+            else:
                 with self.inbox.lock:
                     self.inbox.lock.wait(0.05)
-        read, disk.hits = disk.hits - before, before
-        cache.counts.queries, cache.counts.hits = counts
-        self.scheduler.preemptions = 0
+
+    def reset_after_start(self) -> None:
+        """What runs before ready leaves behind, back to a fresh engine's: the join clock,
+        the prefill budget, preemptions, the request counters, the published snapshot."""
         self.runner.restart_join_clock()
         self.scheduler.budget.reset()
+        self.scheduler.preemptions = 0
         with self.inbox.lock:
             self.inbox.counters = Counters()
         self._publish()
-        return read
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""

@@ -11,6 +11,8 @@ import time
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.core import EngineCore
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier
+from veloxquant_mlx.engine.loop.warmup import PRELOAD_ID
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -40,8 +42,27 @@ def preload(core: EngineCore, disk: DiskTier, cfg: EngineConfig, block_bytes: in
         "prefix cache: reading %d conversations (%d tokens) from disk into memory before "
         "the server is ready (--prefix-cache-preload-gb)", len(runs), sum(map(len, runs)),
     )  # fmt: skip
-    read = core.preload(runs[::-1])  # the most recent last: the newest in the LRU
+    read = read_back(core, disk, runs[::-1])  # the most recent last: the newest in the LRU
     log.info(
         "prefix cache: %d pages of %d conversations read from disk into memory in %.1f s",
         read, len(runs), time.monotonic() - started,
     )  # fmt: skip
+
+
+def read_back(core: EngineCore, disk: DiskTier, prompts: list[list[int]]) -> int:
+    """A one-token request for each of ``prompts`` (the most recent last), each its tokens
+    and one more, so every full page of it is read from disk and cached in memory as if its
+    conversation had just run; the counters stay as they were (nothing was asked). Returns
+    the pages read from disk."""
+    cache = core.scheduler.cache
+    if cache is None:
+        return 0
+    before, counts = disk.hits, (cache.counts.queries, cache.counts.hits)
+    greedy = SamplingParams(temperature=0.0)
+    core.run_before_ready(
+        [GenerationRequest((*tokens, tokens[-1]), 1, greedy) for tokens in prompts], PRELOAD_ID
+    )
+    read, disk.hits = disk.hits - before, before
+    cache.counts.queries, cache.counts.hits = counts
+    core.reset_after_start()
+    return read

@@ -18,10 +18,15 @@ row, then resent with a few more tokens, an agent's next turn); then it drops wh
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.engine.loop.core import EngineCore
 
 # Request ids of the warm-up, above any a host hands out (they are the pool's owners).
 WARM_UP_ID = 1 << 62
@@ -141,3 +146,27 @@ def warm_up_waves(
             ]
         )
     return waves
+
+
+def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple[int, int]:
+    """Run ``waves`` (``warm_up_waves``) on ``core``, each to its end, then drop what they
+    left: cached pages, counters, the published snapshot. Before the engine is ready. Returns
+    how many requests ran and the prompt tokens they found cached (the long conversation's
+    second turn)."""
+    sched, cache = core.scheduler, core.scheduler.cache
+    hooks = (sched.disk, None if cache is None else cache.on_evict)
+    sched.disk = None  # the synthetic prompts neither read nor write the disk tier
+    if cache is not None:
+        cache.on_evict = None
+    n = 0
+    for wave in waves:
+        core.run_before_ready(wave, WARM_UP_ID + n)
+        n += len(wave)
+    hits = 0 if cache is None else cache.counts.hits
+    sched.reset_cache()
+    sched.disk = hooks[0]
+    if cache is not None:
+        cache.on_evict = hooks[1]
+        cache.counts = CacheCounts()
+    core.reset_after_start()
+    return n, hits
