@@ -102,7 +102,7 @@ class EngineConfig:
     prefix_cache_disk_gb: float = 10.0
     # At start, before ready, read the disk tier's most recent conversations into the memory
     # cache, up to this many GiB of KV (None: half the pool; 0: none), so a restarted
-    # server's first turns hit memory (``EngineCore.preload``).
+    # server's first turns hit memory (loop/preload.py).
     prefix_cache_preload_gb: float | None = None
     # The smallest request the pool must be able to hold, or the engine refuses to start
     # (a server that would answer every request with 400 is a configuration error).

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # Request ids of the warm-up, above any a host hands out (they are the pool's owners).
 WARM_UP_ID = 1 << 62
-PRELOAD_ID = WARM_UP_ID + (1 << 40)  # the prefix cache's preload (``EngineCore.preload``)
+PRELOAD_ID = WARM_UP_ID + (1 << 40)  # the prefix cache's preload (``preload.read_back``)
 PROMPT = 8  # tokens of a decode wave's prompts
 DECODE = 3  # tokens each request generates
 RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
