@@ -20,11 +20,8 @@ mkdir -p "$dest"
 report=$dest/ab.md
 out=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/vq-ab.XXXXXX")}
 mkdir -p "$out"
-models=${TMPDIR:-/tmp}/vq-models
-python3 -c "from pathlib import Path; from benchmarks.serving import write_model
-p = Path('$models') / 'model-$shape'
-if not (p / 'config.json').exists():
-    write_model(p, '$shape', 'bfloat16', True)"
+. "$(dirname "$0")/serve_lib.sh"
+model=$(gpu_model "$shape")
 kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
 for r in $(seq 1 "$rounds"); do
   i=0
@@ -37,7 +34,7 @@ for r in $(seq 1 "$rounds"); do
     name="$i-$r"
     echo "$name: $setting" >> "$out/settings.txt"
     timeout 240 env "${envs[@]}" python3 -m benchmarks.agent_bench \
-      --model-path "$models/model-$shape" --sessions "${SESSIONS:-4}" --turns "$turns" \
+      --model-path "$model" --sessions "${SESSIONS:-4}" --turns "$turns" \
       --system-words 2000 --turn-words 50-400 --max-tokens 64 --kv-cache-mb "$kv" \
       --peers none --logs "$out/logs-$name" --out "$out/agent-$name.md" \
       --ours-args "--blas off --log-level debug ${flags[*]}" \

@@ -12,14 +12,10 @@
 set -euo pipefail
 out=$1 shape=${2:-8b}
 mkdir -p "$out"
-models=${TMPDIR:-/tmp}/vq-models
-python3 -c "from pathlib import Path; from benchmarks.serving import write_model
-for s in ('$shape', '1b'):
-    p = Path('$models') / ('model-' + s)
-    if not (p / 'config.json').exists():
-        write_model(p, s, 'bfloat16', True)"
+. "$(dirname "$0")/serve_lib.sh"
+model=$(gpu_model "$shape") model_1b=$(gpu_model 1b)
 kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
-timeout 280 python3 -m benchmarks.agent_bench --model-path "$models/model-$shape" --sessions 4 \
+timeout 280 python3 -m benchmarks.agent_bench --model-path "$model" --sessions 4 \
   --turns 6 --system-words 2000 --turn-words 50-400 --max-tokens 64 --kv-cache-mb "$kv" \
   --peers none --ours-args "--blas off --log-level debug" --logs "$out/agent-logs" \
   --out "$out/agent.md" > "$out/agent.txt" 2>&1 || echo "agent_bench: exit $?" >> "$out/agent.txt"
@@ -27,7 +23,7 @@ python3 -m benchmarks.slow_steps "$out"/agent-logs/ours-*.log > "$out/slow-steps
 # The restart with the defaults and with a long conversation in the warm-up
 for ctx in 0 8192; do
   extra=$([ "$ctx" = 0 ] || echo " --warm-up-context $ctx")
-  timeout 200 python3 -m benchmarks.restart_bench --model-path "$models/model-1b" \
+  timeout 200 python3 -m benchmarks.restart_bench --model-path "$model_1b" \
     --context-words 1800 --new-words 60 --repeats 2 --logs "$out/restart-logs-$ctx" \
     --ours-args "--blas off --kv-cache-mb 8192 --log-level debug$extra" \
     > "$out/restart-$ctx.txt" 2>&1 || echo "restart_bench: exit $?" >> "$out/restart-$ctx.txt"

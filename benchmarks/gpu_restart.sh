@@ -14,17 +14,14 @@
 set -euo pipefail
 out=$1 shape=$2 repeats=${3:-1}
 mkdir -p "$out"
-models=${TMPDIR:-/tmp}/vq-models
-python3 -c "from pathlib import Path; from benchmarks.serving import write_model
-p = Path('$models') / 'model-$shape'
-if not (p / 'config.json').exists():
-    write_model(p, '$shape', 'bfloat16', True)"
+. "$(dirname "$0")/serve_lib.sh"
+model=$(gpu_model "$shape")
 geometry=$([ "$shape" = 8b ] && echo "" || echo "--head-dim 64 --layers 16")
 # shellcheck disable=SC2086
 python3 -m benchmarks.disk_read_bench --pages 395 --repeats 3 $geometry > "$out/disk-read-$shape.md" 2>&1 \
   || echo "disk_read_bench: exit $?" >> "$out/disk-read-$shape.md"
 kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
-timeout 480 python3 -m benchmarks.restart_bench --model-path "$models/model-$shape" \
+timeout 480 python3 -m benchmarks.restart_bench --model-path "$model" \
   --context-words 1800 --new-words 60 --repeats "$repeats" --in-memory --on-hit \
   --logs "$out/restart-logs-$shape" --ours-args "--blas off --kv-cache-mb $kv --log-level debug" \
   > "$out/restart-$shape.txt" 2>&1 || echo "restart_bench: exit $?" >> "$out/restart-$shape.txt"

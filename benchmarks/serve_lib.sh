@@ -2,6 +2,8 @@
 # same way for every measurement.
 #
 #   start_server MODEL_DIR LOG [server flags...]   sets $port and $srv (its pid), waits for /ready
+#   gpu_model SHAPE   prints the directory of the random-weight SHAPE model (bf16, the shipped
+#                     tokenizer's vocabulary) under ${TMPDIR:-/tmp}/vq-models, written once
 start_server() {
   local model=$1 log=$2; shift 2
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -13,4 +15,13 @@ start_server() {
     kill -0 "$srv" 2>/dev/null || { tail -20 "$log"; exit 1; }
     sleep 0.5
   done
+}
+
+gpu_model() {
+  local dir=${TMPDIR:-/tmp}/vq-models/model-$1
+  python3 -c "from pathlib import Path; from benchmarks.serving import write_model
+p = Path('$dir')
+if not (p / 'config.json').exists():
+    write_model(p, '$1', 'bfloat16', True)" >&2
+  echo "$dir"
 }

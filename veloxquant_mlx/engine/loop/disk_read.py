@@ -38,6 +38,9 @@ class Run:
     segments: list[tuple[int, dict[str, mx.array]]]
 
 
+Step = tuple[bytes, list[int], dict[str, mx.array] | None]  # ``PageReader._walk``'s
+
+
 class Files(Protocol):
     """What the reader needs of the tier (``DiskTier``)."""
 
@@ -93,6 +96,7 @@ class PageReader:
 
     def _collect(self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int) -> Run:
         run = Run(first, 0, [])
+        steps = self._walk(tokens, first, parent, limit, bs)
         seg: Segment | None = None  # consecutive pages read from files, into their place
         filled = 0
 
@@ -102,43 +106,42 @@ class PageReader:
                 run.segments.append((filled, seg.arrays(filled)))
             seg, filled = None, 0
 
-        for i in range(first, limit):
-            page_tokens = tokens[i * bs : (i + 1) * bs]
-            digest = chain(parent, page_tokens)
-            name = digest.hex()
-            pending, on_disk = self.tier.lookup(name)
-            if pending is not None and pending[0] == page_tokens:
+        for k, (digest, page_tokens, queued) in enumerate(steps):
+            if queued is not None:
                 flush()
-                run.segments.append((1, pending[1]))
-            elif on_disk:
+                run.segments.append((1, queued))
+            else:
                 page = self._read_file(digest, page_tokens, seg.layout if seg else None)
                 if page is None:
                     break
-                if seg is None:
-                    ahead = self._files_ahead(tokens, i, parent, limit, bs)
-                    seg = Segment(page[0], ahead, self.tier.n_layers)
+                if seg is None:  # sized for the files in a row from here
+                    end = next(
+                        (j for j in range(k, len(steps)) if steps[j][2] is not None), len(steps)
+                    )
+                    seg = Segment(page[0], end - k, self.tier.n_layers)
                 seg.fill(filled, page[1])
                 filled += 1
-            else:
-                break
             run.n_pages += 1
-            parent = digest
         flush()
         return run
 
-    def _files_ahead(
+    def _walk(
         self, tokens: list[int], first: int, parent: bytes, limit: int, bs: int
-    ) -> int:
-        """How many pages from ``first`` on the tier holds as files (not queued), in a row."""
-        n = 0
+    ) -> list[Step]:
+        """The pages from ``first`` on while the tier has them: each one's digest, tokens, and
+        its arrays where it is still queued for the writer (None: read its file)."""
+        steps: list[Step] = []
         for i in range(first, limit):
-            parent = chain(parent, tokens[i * bs : (i + 1) * bs])
-            name = parent.hex()
-            pending, on_disk = self.tier.lookup(name)
-            if pending is not None or not on_disk:
+            page_tokens = tokens[i * bs : (i + 1) * bs]
+            parent = chain(parent, page_tokens)
+            pending, on_disk = self.tier.lookup(parent.hex())
+            if pending is not None and pending[0] == page_tokens:
+                steps.append((parent, page_tokens, pending[1]))
+            elif on_disk:
+                steps.append((parent, page_tokens, None))
+            else:
                 break
-            n += 1
-        return max(n, 1)
+        return steps
 
     def _read_file(
         self, digest: bytes, tokens: list[int], layout: Layout | None

@@ -226,8 +226,7 @@ class DiskTier:
         for name in names:
             try:
                 with (self.dir / (name + SUFFIX)).open("rb") as f:
-                    meta = read_meta(f, self.fp, name)
-                nodes[name] = (meta["parent"], json.loads(meta["tokens"]))
+                    nodes[name] = read_meta(f, self.fp, name)
             except FileNotFoundError:
                 continue
             except Exception as exc:  # one line for all (an older server's files: many)

@@ -33,9 +33,7 @@ DTYPES = {
     mx.int8: ("I8", np.int8),
 }
 CODES = {code: np.dtype(np_dtype) for code, np_dtype in DTYPES.values()}
-MX_OF = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16,
-         np.dtype(np.uint16): mx.uint16, np.dtype(np.uint32): mx.uint32,
-         np.dtype(np.uint8): mx.uint8, np.dtype(np.int8): mx.int8}  # fmt: skip
+MX_OF = {d: getattr(mx, d.name) for d in CODES.values()}  # the MLX type of each
 MAX_HEADER = 1 << 24  # a page file's header is far smaller; more is not a page file
 
 
@@ -133,7 +131,7 @@ def read_header(
     """
     header = _header(f)
     meta = _checked_meta(header.pop("__metadata__", None) or {}, fp, name)
-    if json.loads(meta.get("tokens", "null")) != tokens:
+    if json.loads(meta["tokens"]) != tokens:
         raise ValueError("its tokens differ")
     checksum = meta["xxh3"]
     want = {part_name(i, s, j) for i in range(n_layers) for s in "kv" for j in range(len(dtypes))}
@@ -159,9 +157,9 @@ def read_header(
     return Layout(len(tokens), tuple(groups), offset), checksum
 
 
-def read_meta(f: BinaryIO, fp: str, name: str) -> dict[str, str]:
-    """An open page file's metadata (its tokens, parent's digest, checksum), once it is
-    this tier's file for page ``name``.
+def read_meta(f: BinaryIO, fp: str, name: str) -> tuple[str, list[int]]:
+    """An open page file's parent's digest and tokens, once it is this tier's file for page
+    ``name``.
 
     Raises:
         ValueError: (or another error of a short or broken file) it is not.
@@ -170,7 +168,7 @@ def read_meta(f: BinaryIO, fp: str, name: str) -> dict[str, str]:
     tokens = json.loads(meta["tokens"])
     if not tokens or not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise ValueError("its tokens are not token ids")
-    return meta
+    return meta["parent"], tokens
 
 
 def _header(f: BinaryIO) -> dict[str, Any]:

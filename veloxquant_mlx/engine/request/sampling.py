@@ -224,9 +224,8 @@ class BatchSampler:
                 ranks = "histogram"
             elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
                 ranks = "host"
-            on_host = ranks == "host"
             draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)
-            extra = [_host_rank_cut(logits, self.top_p, self.top_k)] if on_host else []
+            extra = [_host_rank_cut(logits, self.top_p, self.top_k)] if ranks == "host" else []
             tokens, self.keys = draw(
                 logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p, *extra
             )
