@@ -2,6 +2,7 @@
 
     python -m benchmarks.prefix_bench [--model embedded|100m|PATH] [--prefix-tokens 1980]
                                       [--rounds 5] [--peers mlx_lm] [--out prefix.json]
+                                      [--ours-args "..."] [--logs DIR]
 
 For each round a new shared prefix of about ``--prefix-tokens`` tokens (random words) is sent
 twice, each time with a different short question, as streaming completions with one output
@@ -81,15 +82,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--peers", default="mlx_lm", help="comma list: mlx_lm, or empty")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
+    p.add_argument("--ours-args", default="", help="extra flags for our server")
+    p.add_argument("--logs", help="keep the servers' logs in this directory")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         path = model_dir(a.model, work) if a.model in ("embedded", "100m") else Path(a.model)
         words = words_for(path, a.prefix_tokens)
+        logs = Path(a.logs) if a.logs else work
+        logs.mkdir(parents=True, exist_ok=True)
         results: dict[str, Any] = {"model": a.model, "prefix_tokens": a.prefix_tokens}
         port = free_port()
         ours = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
-                "--port", str(port), "--log-level", "warning"]  # fmt: skip
+                "--port", str(port), "--log-level", "warning", *a.ours_args.split()]  # fmt: skip
         runs = [("ours", ours, port, None)]
         if "mlx_lm" in a.peers.split(","):
             peer_port = free_port()
@@ -97,7 +102,7 @@ def main() -> None:
                     "--port", str(peer_port)]  # fmt: skip
             runs.append(("mlx_lm", peer, peer_port, str(path)))  # it serves the path as its id
         for name, cmd, port, served in runs:
-            with server(cmd, port, dict(os.environ), work / f"{name}.log"):
+            with server(cmd, port, dict(os.environ), logs / f"{name}.log"):
                 url = f"http://127.0.0.1:{port}"
                 model = served or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
                 results[name] = measure(url, model, words, a.rounds, words / a.prefix_tokens)

@@ -56,6 +56,14 @@ async def test_every_request_gets_one_line_with_status_id_and_tokens(client_for,
     assert lines[1]["completion_tokens"] == 8  # both choices of the stream, counted at its end
     assert all(x["ms"] >= 0 for x in lines)
     assert lines[3]["prompt_tokens"] == lines[3]["completion_tokens"] == 0
+    # the first token's time from arrival, within the request's; none where nothing was made
+    assert 0 < lines[0]["ttft_ms"] <= lines[0]["ms"] and 0 < lines[1]["ttft_ms"] <= lines[1]["ms"]
+    assert [x["ttft_ms"] for x in lines[2:]] == [None, None, None]
+    details = usage.get("prompt_tokens_details") or {}
+    assert lines[0]["cached_tokens"] == details.get("cached_tokens", 0)
+    text = [r.getMessage() for r in caplog.records if r.name == "veloxquant.access"]
+    assert text[0].endswith(f"cached={lines[0]['cached_tokens']} ttft={lines[0]['ttft_ms']:.1f} ms")
+    assert text[3].endswith("prompt=0 completion=0 cached=0 ttft=-")
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 
@@ -73,3 +81,18 @@ def test_a_json_line_carries_the_fields_as_its_own_keys():
     line = json.loads(_JSONFormatter().format(record))
     assert line["method"] == "GET" and line["status"] == 200 and line["request_id"] == "r1"
     assert line["message"] == "GET / 200"
+
+
+async def test_a_cached_turn_logs_its_cached_tokens(client_for, caplog):
+    caplog.set_level(logging.INFO, logger="veloxquant.access")
+    client = await client_for()
+    prompt = " ".join(f"word{i}" for i in range(60))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    first = await client.post("/v1/completions", json=body)
+    again = await client.post("/v1/completions", json=body)
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first.status_code == again.status_code == 200 and cached > 0
+    lines = access_lines(caplog)
+    assert [x["cached_tokens"] for x in lines] == [0, cached]
+    assert all(0 < x["ttft_ms"] <= x["ms"] for x in lines)
+    await wait_idle(client.engine)  # type: ignore[attr-defined]

@@ -4,7 +4,9 @@
 404s and 400s included; a request the edge refuses before HTTP parsing never does), its final
 status, the ``x-request-id`` the response carries, and the time until its last byte. The
 engine requests a route submits are noted in ``HANDLES`` (a context variable the middleware
-sets for the request), so the line carries their prompt and completion tokens once they end.
+sets for the request), so the line carries their prompt, completion and cached tokens once they
+end, and the time from the request's arrival to the first token the engine made for it
+(``ttft``: templating, tokenizing, queueing and prefill; not the network's part).
 Under ``--log-format json`` the fields are the line's own JSON keys.
 """
 
@@ -55,11 +57,13 @@ class AccessLog:
             await self.app(scope, receive, watched)
         finally:
             HANDLES.reset(token)
-            self._line(scope, seen, handles, time.monotonic() - started)
+            self._line(scope, seen, handles, started)
 
     @staticmethod
-    def _line(scope: Scope, seen: dict[str, Any], handles: list[Any], seconds: float) -> None:
+    def _line(scope: Scope, seen: dict[str, Any], handles: list[Any], started: float) -> None:
+        seconds = time.monotonic() - started
         finishes = [h.finish for h in handles if h.finish is not None]
+        firsts = [h.first_token_at for h in handles if h.first_token_at is not None]
         fields = {
             "method": scope.get("method", ""),
             "path": scope.get("path", ""),
@@ -68,9 +72,14 @@ class AccessLog:
             "request_id": seen["id"],
             "prompt_tokens": sum(f.usage.prompt_tokens for f in finishes),
             "completion_tokens": sum(f.usage.completion_tokens for f in finishes),
+            "cached_tokens": sum(f.usage.cached_tokens for f in finishes),
+            # the first token made, from the request's arrival (None: no token made)
+            "ttft_ms": round(max(0.0, min(firsts) - started) * 1e3, 1) if firsts else None,
         }
+        ttft = "-" if fields["ttft_ms"] is None else f"{fields['ttft_ms']:.1f} ms"
         log.info(
-            "%s %s %d %.1f ms id=%s prompt=%d completion=%d",
-            *fields.values(),
+            "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s",
+            *list(fields.values())[:-1],
+            ttft,
             extra={"fields": fields},
         )

@@ -56,6 +56,7 @@ class RequestHandle:
         self.tag = tag
         self.submitted_at = time.monotonic()
         self.finish: FinishEvent | None = None
+        self.first_token_at: float | None = None  # the first token's time (time.monotonic)
         # Sees every event as the consumer takes it (on its side: the event loop), before it
         # is handed on; the server's record of an answer's tokens (server.answers).
         self.tap: Callable[[Event], None] | None = None
@@ -96,6 +97,8 @@ class RequestHandle:
         for handle, events in items:
             if not events:
                 continue
+            if handle.first_token_at is None:
+                handle.first_token_at = events[0].time
             if handle.sink is not None:
                 by_sink.setdefault(handle.sink, []).append((handle, events))
             elif handle._loop is not None and handle._async_queue is not None:
