@@ -282,6 +282,9 @@ async def test_metrics_parse_and_return_to_zero_when_idle(client):
     assert value("veloxquant_kv_cache_capacity_bytes") > 0
     assert value("veloxquant_block_pool_blocks_in_use") == 0
     assert value("veloxquant_prefill_budget_tokens") == 64  # this CPU: fixed at 64
+    memory = {s.labels["kind"]: s.value for s in fams["veloxquant_mlx_memory_bytes"].samples}
+    assert set(memory) == {"active", "cache", "peak"}  # the model's weights at least are alive
+    assert 0 < memory["active"] <= memory["peak"] and memory["cache"] >= 0
     assert fams["veloxquant_generation_tokens"].samples[0].value >= 8
     assert fams["veloxquant_time_to_first_token_seconds"].type == "histogram"
     build = fams["veloxquant_build_info"].samples[0].labels

@@ -177,6 +177,13 @@ class Settings(BaseSettings):
         "seen by the prompt and is dropped after): CUDA plans every product per shape, ~5 ms "
         "the first time; unset: 64 on CUDA, 0 (no padding) elsewhere.",
     )
+    mlx_cache_limit_mb: int | None = Field(
+        None,
+        ge=0,
+        description="MiB of freed device buffers MLX keeps for reuse (mx.set_cache_limit); "
+        "unset: 4096 on CUDA, where MLX's own limit (0.8 of the device) let a long-running "
+        "server run out of device memory, MLX's default elsewhere.",
+    )
     prefill_stream: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run prefill forwards on an MLX stream of their own, so a decode step does "

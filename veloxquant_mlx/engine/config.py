@@ -72,6 +72,9 @@ class EngineConfig:
     # Prefill widths padded to a multiple of this (cuBLAS plans per shape); None: 64 on CUDA,
     # 0 (none) elsewhere (kv/attention.py).
     prefill_bucket: int | None = None
+    # MiB of freed buffers MLX keeps for reuse (mx.set_cache_limit); None: 4 GiB on CUDA,
+    # MLX's default elsewhere (model/choices.py mlx_cache_limit).
+    mlx_cache_limit_mb: int | None = None
     # Prefill forwards on an MLX stream of their own (loop/runner.py): "on", "off", "auto"
     # (the measured best per backend: on with CUDA; model/choices.py's PREFILL_STREAM).
     prefill_stream: str = "auto"

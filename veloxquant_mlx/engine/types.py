@@ -216,6 +216,9 @@ class StepSnapshot:
     kv_format_blocks: tuple[tuple[str, int], ...] = ()
     ragged_attention: str = ""  # "sdpa", "matmul" or "matmul>=N" (kv.attention)
     kv_working_bytes: int = 0  # bytes of the batch's KV memory MLX holds now
+    # MLX's memory in the engine's process (mx.get_active_memory, get_cache_memory,
+    # get_peak_memory): arrays alive, freed buffers kept for reuse, the most alive at once
+    mlx_memory: tuple[tuple[str, int], ...] = ()
     prefix_caching: bool = False
     cached_blocks: int = 0  # blocks the prefix cache holds (some may be held by requests too)
     evictable_blocks: int = 0  # cached blocks no request holds: free for any allocation

@@ -66,6 +66,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         sampling_cut=settings.sampling_cut,
         prefill_bucket=settings.prefill_bucket,
         prefill_stream=settings.prefill_stream,
+        mlx_cache_limit_mb=settings.mlx_cache_limit_mb,
         prefill_join=settings.prefill_join,
         paged_attention=settings.paged_attention,
         prefix_caching=settings.prefix_caching,

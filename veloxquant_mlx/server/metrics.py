@@ -165,6 +165,16 @@ class EngineCollector(Collector):
                 "working set).",
                 stats.kv_working_bytes,
             )
+            memory = GaugeMetricFamily(
+                "veloxquant_mlx_memory_bytes",
+                "MLX's memory in the engine's process: active (arrays alive: weights, KV, a "
+                "step's temporaries), cache (freed buffers kept for reuse, --mlx-cache-limit-mb), "
+                "peak (the most active at once).",
+                labels=["kind"],
+            )
+            for kind, n in stats.mlx_memory:
+                memory.add_metric([kind], n)
+            yield memory
             yield _gauge(
                 "veloxquant_prefill_budget_tokens",
                 "Prompt tokens a step carries at most beside decoding requests, as the engine "

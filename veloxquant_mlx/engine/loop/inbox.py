@@ -8,6 +8,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from veloxquant_mlx.engine.loop.commands import Command
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import StepSnapshot
@@ -67,6 +69,11 @@ def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> Step
         **_window(sched),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
+        mlx_memory=(
+            ("active", mx.get_active_memory()),
+            ("cache", mx.get_cache_memory()),
+            ("peak", mx.get_peak_memory()),
+        ),
         waiting_tokens=sum(len(s.tokens) - s.n_kv for s in sched.waiting),
         prefill_budget=sched.prefill_budget,
         holds_a_request=holds_a_request,

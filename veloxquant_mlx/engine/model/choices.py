@@ -1,6 +1,6 @@
 """Choices the settings leave to the engine, made per backend and layout by measurement:
-the prefill budget beside decoding, prefill on a stream of its own, which answers are cached
-(DESIGN-NOTES.md names the measurements)."""
+the prefill budget beside decoding, prefill on a stream of its own, which answers are cached,
+how much freed memory MLX keeps (DESIGN-NOTES.md names the measurements)."""
 
 from __future__ import annotations
 
@@ -98,3 +98,22 @@ def sampling_cut(cfg: EngineConfig) -> str:
     lost their server unexplained (BENCHMARKS.md, "The disk tier's one-copy read"): opt-in
     until a serving run shows the gain."""
     return "sort" if cfg.sampling_cut == "auto" else cfg.sampling_cut
+
+
+# MLX's buffer cache on CUDA under --mlx-cache-limit-mb unset, in MiB. MLX keeps freed
+# buffers for reuse up to its memory limit (0.8 of the device's), and on CUDA it allocates
+# from a stream-ordered pool that keeps freed memory reserved too: a server meeting buffers of
+# ever new sizes (prompts, contexts, batch widths) filled an 80 GB H100 and died of
+# cudaMallocAsync's "out of memory" with a 1B model and an 8 GiB KV pool (BENCHMARKS.md,
+# "MLX's buffer cache on CUDA"). A step's own temporaries fit this many times over.
+CUDA_CACHE_LIMIT_MB = 4096
+
+
+def mlx_cache_limit(cfg: EngineConfig) -> int | None:
+    """Bytes of freed buffers MLX may keep for reuse (``mx.set_cache_limit``), or None to
+    leave MLX's default: ``--mlx-cache-limit-mb``, else ``CUDA_CACHE_LIMIT_MB`` on CUDA."""
+    if cfg.mlx_cache_limit_mb is not None:
+        return cfg.mlx_cache_limit_mb * 2**20
+    if mx.default_device() != mx.cpu and attention.cuda_available():
+        return CUDA_CACHE_LIMIT_MB * 2**20
+    return None

@@ -19,6 +19,7 @@ from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.choices import (
     answers_up_to,
+    mlx_cache_limit,
     prefill_budget,
     prefill_join,
     prefill_stall_ratio,
@@ -261,6 +262,10 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     """Load the model, size the pool from its KV geometry, make the scheduler and runner."""
     from veloxquant_mlx.blas import blas_in_use
 
+    cache_limit = mlx_cache_limit(cfg)
+    if cache_limit is not None:  # before the model's weights make the first buffers
+        mx.set_cache_limit(cache_limit)
+        log.info("MLX keeps at most %d MiB of freed buffers for reuse", cache_limit >> 20)
     group = init_group(cfg.pipeline, cfg.group_timeout) if cfg.distributed else None
     if group is not None and cfg.grow_on_exhaustion:
         raise ValueError("--grow-on-exhaustion is not supported across ranks")
