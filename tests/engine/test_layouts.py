@@ -210,48 +210,6 @@ def test_a_padded_prefill_caches_only_the_prompt(arch_model):
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_a_prefill_over_cached_pages_reads_whole_key_buckets(arch_model, layout, monkeypatch):
-    """With padded widths (``--prefill-bucket``), a prompt that starts from cached pages
-    attends to its keys in whole ``KEYS_BUCKET``s (masked past its own positions), so an
-    agent's turns meet repeating shapes; its tokens are stock's, turn after turn."""
-    from veloxquant_mlx.kv import attention
-
-    seen: list[tuple[int, int]] = []  # (queries, keys) of the causal prefill attentions
-    original = attention._bucketed
-
-    def bucketed(cache, keys, values, n_q, bucket):
-        out = original(cache, keys, values, n_q, bucket)
-        seen.append((n_q, out[0].shape[2]))
-        return out
-
-    monkeypatch.setattr(attention, "_bucketed", bucketed)
-    path, model = arch_model
-    rng = random.Random(9)
-    config = EngineConfig(
-        model=str(path), kv_cache_mb=16, prefill_step=16, prefill_bucket=16, kv_layout=layout
-    )
-    engine = Engine(config).start()
-    try:
-        engine.wait_ready(120)
-        greedy = SamplingParams(temperature=0.0)
-        prompt = [rng.randrange(3, 2000) for _ in range(37)]
-        for turn in range(3):  # each turn resends the last with its answer and new tokens
-            seen.clear()
-            tokens, finish = engine.submit(GenerationRequest(tuple(prompt), 5, greedy)).collect(120)
-            got = [t.token_id for t in tokens]
-            assert got == stock_tokens(model, prompt, 5)
-            if turn:
-                assert finish.usage.cached_tokens > 0
-                prefill = [(n, k) for n, k in seen if n > 1]
-                assert prefill and all(k % attention.KEYS_BUCKET == 0 for _, k in prefill), seen
-            prompt = prompt + got + [rng.randrange(3, 2000) for _ in range(20)]
-        wait_idle(engine)
-        assert_engine_all_free(engine)
-    finally:
-        engine.shutdown(5)
-
-
-@pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_rows_at_one_position_match_stock_caches(arch_model, layout):
     """One stream alone, and rows that joined together (every row at the same position): the
     step then runs without a mask where every row sees all its positions, and writes the new

@@ -63,10 +63,6 @@ SCORES_AT_ONCE = 2**26
 # product per shape, 4-5 ms the first time a width is met on an H200 (0.16 ms after), and an
 # agent's every turn had a new width; padded, a server meets at most chunk / 64 widths
 CUDA_PREFILL_BUCKET = 64
-# and where it is, a prefill chunk over cached KV attends to its keys in whole multiples of this
-# many positions (masked past its own): the products' shapes repeat across an agent's turns
-# instead of being new every turn (the engine's prefill caches make the room: engine.loop)
-KEYS_BUCKET = 256
 LOG2E = 1.4426950408889634
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
 # are even within a step and MLX's was ahead end to end; from 32 rows matmul is ahead)
@@ -253,22 +249,6 @@ def _grouped(
     return out.reshape(b, n_heads, n_q, values.shape[-1])
 
 
-def _bucketed(
-    cache: Any, keys: mx.array, values: mx.array, n_q: int, bucket: int
-) -> tuple[mx.array, mx.array, Any]:
-    """A prefill cache's keys and values read to the next multiple of ``bucket`` positions
-    where its buffer holds them, with the causal mask of the ``n_q`` queries (the last of the
-    real positions) over them: what lies past the real positions is never attended. Else as
-    they came, with the causal mask."""
-    length = keys.shape[2]
-    padded = -(-length // bucket) * bucket
-    if padded == length or padded > cache.keys.shape[2]:
-        return keys, values, "causal" if n_q > 1 else None
-    keys, values = cache.keys[..., :padded, :], cache.values[..., :padded, :]
-    mask = (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(padded)[None]
-    return keys, values, mask
-
-
 def install(model: Any) -> int:
     """Route ``model``'s attention over the engine's own caches (``matmul_attention`` where a
     step asks for it, ``grouped_attention`` where a cache carries a ``vq_route``, the fused
@@ -325,9 +305,6 @@ def _routed(original: Any) -> Any:
             and not hasattr(cache, "bits")  # quantized KV: mlx_lm's quantized attention
             and sinks is None
         ):
-            bucket = getattr(cache, "vq_keys_bucket", 0)
-            if bucket and (mask is None or isinstance(mask, str)):
-                keys, values, mask = _bucketed(cache, keys, values, queries.shape[2], bucket)
             return grouped_attention(queries, keys, values, scale, mask, route == "exp2")
         return original(queries, keys, values, cache, scale, mask, sinks)
 

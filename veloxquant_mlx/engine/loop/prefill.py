@@ -17,7 +17,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq
-from veloxquant_mlx.kv.attention import KEYS_BUCKET
 from veloxquant_mlx.kv.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -123,11 +122,8 @@ class Prefiller:
         """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
         with (found at admission): its cached pages', then what the disk tier loaded."""
         caches = [KVCache() for _ in range(self._n_layers)]
-        ragged = self.kv.ragged
-        keys_bucket = KEYS_BUCKET if ragged.prefill_bucket and ragged.prefill_route else 0
         for cache in caches:  # how the routed attention takes them (kv.attention)
-            cache.vq_route = ragged.prefill_route  # type: ignore[attr-defined]
-            cache.vq_keys_bucket = keys_bucket  # type: ignore[attr-defined]
+            cache.vq_route = self.kv.ragged.prefill_route  # type: ignore[attr-defined]
         if not n_cached:
             return caches
         n_pages = seq.pages.n_known
@@ -145,13 +141,8 @@ class Prefiller:
                 else loaded
             )
         assert layers[0][0].shape[2] == n_cached, "a prefill starts where its KV ends"
-        # With keys bucketed, room for the whole prompt (and a chunk's padding) at once, in
-        # whole buckets: the chunks write in place and attention reads whole buckets
-        room = -(-(len(seq.tokens) + ragged.prefill_bucket) // keys_bucket) if keys_bucket else 0
         for cache, (k, v) in zip(caches, layers, strict=True):
-            if room:
-                k, v = _with_room(k, room * keys_bucket), _with_room(v, room * keys_bucket)
-            cache.keys, cache.values, cache.offset = k, v, n_cached
+            cache.keys, cache.values, cache.offset = k, v, k.shape[2]
         return caches
 
     def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
@@ -159,13 +150,6 @@ class Prefiller:
         tier holds), in the model's type."""
         codec = getattr(self.kv.layout_for(""), "codec", None)
         return parts[0] if codec is None else codec.decode(parts)
-
-
-def _with_room(x: mx.array, positions: int) -> mx.array:
-    """``x`` ``[1, H, T, D]`` at the start of a zeroed buffer of ``positions`` positions."""
-    buffer = mx.zeros((*x.shape[:2], positions, x.shape[3]), dtype=x.dtype)
-    buffer[:, :, : x.shape[2]] = x
-    return buffer
 
 
 def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:

@@ -94,9 +94,9 @@ def sampling_cut(cfg: EngineConfig) -> str:
     """How sampled rows' top_p / top_k cut is found: ``--sampling-cut``, "auto" being the sort.
     The histogram cut took 0.2 / 1.1 / 3.0 ms a step at 1 / 32 / 128 rows of 128,256 bf16
     logits on an H100 against 0.5 / 1.3 / 2.9 for the sort, but through the server the
-    sampled/greedy ratio swung more between passes than that, and two of four runs with it on
-    lost their server unexplained (BENCHMARKS.md, "The disk tier's one-copy read"): opt-in
-    until a serving run shows the gain."""
+    sampled/greedy ratio swung more between passes than that (BENCHMARKS.md, "The disk tier's
+    one-copy read"): opt-in until a serving run shows the gain. (The servers those runs lost
+    ran out of device memory, the sort's as well: ``mlx_cache_limit``.)"""
     return "sort" if cfg.sampling_cut == "auto" else cfg.sampling_cut
 
 
