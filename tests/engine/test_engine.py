@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -266,6 +267,29 @@ def test_engine_death_fails_every_request_cleanly(make_engine):
     assert not engine.alive and not engine.ready
     with pytest.raises(EngineNotReadyError):
         engine.submit(request([1, 2, 3]))
+    assert engine.pool.stats.blocks_in_use() == 0
+
+
+def test_an_engine_out_of_device_memory_says_which_settings_bound_it(make_engine, caplog):
+    """MLX's allocation failure kills the step (it is no request's own): the log says so with
+    MLX's figures and the settings that bound the memory. (Raised where a step would raise
+    it: a real one needs a device this machine has not.)"""
+    calls = {"n": 0}
+
+    def fault():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    caplog.set_level(logging.ERROR, logger="veloxquant.engine")
+    engine = make_engine(n_blocks=2 * 400, step_hook=fault, max_running=2)
+    handles = [engine.submit(request(p, max_tokens=50)) for p in prompts(engine, 2)]
+    for h in handles:
+        _, finish = h.collect(30)
+        assert finish.error_code == ENGINE_FAILED and "memory" not in finish.error
+    lines = [r.getMessage() for r in caplog.records if r.name == "veloxquant.engine"]
+    advice = [line for line in lines if line.startswith("the device ran out of memory")]
+    assert len(advice) == 1 and "--mlx-cache-limit-mb" in advice[0] and "MiB alive" in advice[0]
     assert engine.pool.stats.blocks_in_use() == 0
 
 

@@ -152,6 +152,13 @@ class Engine(HostBase):
             self._core.run()
         except BaseException as exc:
             log.exception("engine thread died")
+            if _out_of_memory(exc):
+                log.error(
+                    "the device ran out of memory (MLX: %d MiB alive, %d MiB of freed buffers "
+                    "kept): lower --kv-cache-mb, --max-running or --mlx-cache-limit-mb",
+                    mx.get_active_memory() >> 20,
+                    mx.get_cache_memory() >> 20,
+                )
             self._core.fail_all(
                 f"the engine failed ({type(exc).__name__}); the server is restarting"
             )
@@ -398,6 +405,15 @@ class Engine(HostBase):
             ib.commands.append((command, future))
             ib.lock.notify_all()
         return future
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether MLX failed to allocate (CUDA's "out of memory", MLX's own "[malloc] Unable to
+    allocate"), which the operator's settings decide."""
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in text or "Unable to allocate" in text
+    )
 
 
 def _first_line(exc: BaseException) -> str:
