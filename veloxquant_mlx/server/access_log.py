@@ -76,10 +76,11 @@ class AccessLog:
             # the first token made, from the request's arrival (None: no token made)
             "ttft_ms": round(max(0.0, min(firsts) - started) * 1e3, 1) if firsts else None,
         }
-        ttft = "-" if fields["ttft_ms"] is None else f"{fields['ttft_ms']:.1f} ms"
+        *shown, ttft_ms = fields.values()
+        ttft = "-" if ttft_ms is None else f"{ttft_ms:.1f} ms"
         log.info(
             "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s",
-            *list(fields.values())[:-1],
+            *shown,
             ttft,
             extra={"fields": fields},
         )

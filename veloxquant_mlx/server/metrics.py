@@ -167,9 +167,9 @@ class EngineCollector(Collector):
             )
             memory = GaugeMetricFamily(
                 "veloxquant_mlx_memory_bytes",
-                "MLX's memory in the engine's process: active (arrays alive: weights, KV, a "
-                "step's temporaries), cache (freed buffers kept for reuse, --mlx-cache-limit-mb), "
-                "peak (the most active at once).",
+                "MLX's memory in the engine's process after its last step: active (arrays "
+                "alive: weights, KV, a step's temporaries), cache (freed buffers kept for reuse, "
+                "--mlx-cache-limit-mb), peak (the most active at once).",
                 labels=["kind"],
             )
             for kind, n in stats.mlx_memory:
