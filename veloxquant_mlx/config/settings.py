@@ -7,26 +7,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from veloxquant_mlx.config.edge import EdgeSettings
 from veloxquant_mlx.config.launch import launched_rank
+from veloxquant_mlx.config.tuning import TuningSettings
 
 
-class Settings(BaseSettings):
-    """Everything the server can be told. Built once at the entry point, passed down.
-
-    Each field is ``--kebab-case`` on the command line and ``VQ_UPPER_CASE`` in the
-    environment (the command line wins).
-    """
-
-    model_config = SettingsConfigDict(
-        env_prefix="VQ_",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_prog_name="veloxquant-serve",
-        extra="forbid",
-    )
+class ServingFields(BaseModel):
+    """What the server serves and how: the model, the KV pool and its requests, prefix caching,
+    the engine's host, keys, logs (a part of ``Settings``)."""
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port).")
@@ -144,67 +135,6 @@ class Settings(BaseSettings):
         "attended from there (a residual window, as KIVI does), held as pool blocks while it "
         "runs.",
     )
-    ragged_attention: Literal["auto", "sdpa", "matmul"] = Field(
-        "auto",
-        description="Attention of a decode step whose rows sit at different positions: sdpa "
-        "(MLX's, with a mask), matmul (each KV head's query heads as one product's rows), auto "
-        "(the measured best: matmul on a GPU, sdpa on a CPU).",
-    )
-    attention_softmax: Literal["auto", "exp", "exp2"] = Field(
-        "auto",
-        description="The softmax of the engine's attention (prefill and decode): exp (MLX's), "
-        "exp2 (as powers of two: MLX's CPU exp is about 2.5x slower than its power), auto "
-        "(exp2 on a CPU, exp on a GPU).",
-    )
-    sampling_cut: Literal["auto", "sort", "histogram"] = Field(
-        "auto",
-        description="How sampled rows' top_p / top_k cut is found: sort (one sort of the "
-        "step's logits), histogram (the probability mass at each of the 65,536 values of "
-        "16-bit logits, summed from the top: the same tokens, no sort), auto (sort; a CPU "
-        "model's float32 logits are cut on the host).",
-    )
-    prefill_attention: Literal["auto", "sdpa", "matmul"] = Field(
-        "auto",
-        description="How a prefill chunk attends: sdpa (MLX's; on CUDA cuDNN, which builds a "
-        "graph for every new chunk and context length, ~60 ms), matmul (plain products, "
-        "KV heads' query heads as rows), auto (matmul on CUDA, sdpa elsewhere).",
-    )
-    prefill_bucket: int | None = Field(
-        None,
-        ge=0,
-        le=4096,
-        description="Pad each prefill's tokens to a multiple of this (the padding is never "
-        "seen by the prompt and is dropped after): CUDA plans every product per shape, ~5 ms "
-        "the first time; unset: 64 on CUDA, 0 (no padding) elsewhere.",
-    )
-    mlx_cache_limit_mb: int | None = Field(
-        None,
-        ge=0,
-        description="MiB of freed device buffers MLX keeps for reuse (mx.set_cache_limit); "
-        "unset: 4096 on CUDA, where MLX's own limit (0.8 of the device) let a long-running "
-        "server run out of device memory, MLX's default elsewhere.",
-    )
-    prefill_stream: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Run prefill forwards on an MLX stream of their own, so a decode step does "
-        "not queue behind a prompt's chunk on the device: on, off, auto (the measured best per "
-        "backend: on with CUDA, off on a CPU and, not measured, on Metal).",
-    )
-    prefill_join: Literal["now", "ready"] = Field(
-        "now",
-        description="With prefill on a stream of its own, when a prefilled request joins the "
-        "decode batch: now (the step built with its last chunk, which waits for it), ready "
-        "(the first step built once its prefill is probably done on the device; on an H100 "
-        "the agent benchmark's TTFT p50 was 15-40% higher and its inter-token p99 no lower "
-        "but in one of two 8B runs).",
-    )
-    paged_attention: Literal["gather", "fused"] = Field(
-        "gather",
-        description="How the paged layout's decode steps read the blocks: gather (copies of each "
-        "row's blocks, then MLX's attention), fused (attention through the block tables where "
-        "the blocks lie: one CUDA kernel a layer on MLX's CUDA backend, the same in MLX ops "
-        "elsewhere). Needs --kv-layout paged.",
-    )
     prefix_caching: bool = Field(
         True,
         description="Share full KV blocks between requests with the same prompt prefix "
@@ -251,21 +181,6 @@ class Settings(BaseSettings):
         "conversations of --prefix-cache-dir into the prefix cache in memory, up to this many "
         "GiB of KV, so a restarted server's first turns start from memory; unset: up to half "
         "the KV pool; 0: none (pages are then read from disk on a hit).",
-    )
-    cuda_graph_ops: int | None = Field(
-        None,
-        ge=1,
-        le=254,
-        description="On MLX's CUDA backend: operations per CUDA graph it launches "
-        "(MLX_MAX_OPS_PER_BUFFER; MLX's default 20); unset: MLX's default. An "
-        "MLX_MAX_OPS_PER_BUFFER already in the environment wins.",
-    )
-    cuda_graph_cache: int | None = Field(
-        None,
-        ge=1,
-        le=100_000,
-        description="On MLX's CUDA backend: CUDA graphs it keeps instantiated for reuse "
-        "(MLX_CUDA_GRAPH_CACHE_SIZE); unset: MLX's default. The environment's value wins.",
     )
     engine_process: bool = Field(
         False,
@@ -335,60 +250,21 @@ class Settings(BaseSettings):
         "id, prompt and completion tokens (--no-access-log: none).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
-    gil_switch_interval_ms: float | None = Field(
-        None,
-        gt=0,
-        le=100,
-        description="How often Python hands the GIL between the event loop and the engine "
-        "thread (sys.setswitchinterval); unset: Python's 5 ms.",
-    )
-    blas: str = Field("auto", description="auto | off | PATH: optimized BLAS for MLX on Linux.")
-    blas_gemv: bool = Field(
-        False,
-        description="Experimental, Linux CPU: build (with the C compiler) and preload the gemv "
-        "forwarder in front of the optimized BLAS (few-row float32 matmuls go to sgemv).",
-    )
-    grammar_timeout: float = Field(
-        5.0,
-        gt=0,
-        description="Seconds a structured-output or forced-tool schema may take to compile "
-        "(then 400).",
-    )
-    stream_write_timeout: float = Field(
-        60.0,
-        gt=0,
-        description="Seconds a stream's client may take no data before the stream is cancelled "
-        "and its connection dropped.",
-    )
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
-    max_header_bytes: int = Field(
-        64 * 1024, ge=1024, le=16 << 20, description="Largest request line + headers (431)."
-    )
-    header_timeout: float = Field(
-        10.0, gt=0, description="Seconds a request's line and headers may take to arrive (408)."
-    )
-    body_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request's body may take to arrive (408)."
-    )
-    keep_alive_timeout: float = Field(
-        5.0, gt=0, description="Seconds an idle connection is kept open (then closed)."
-    )
-    max_connections: int = Field(
-        1024,
-        ge=1,
-        description="Open connections at most; more are answered 503 and closed (8 more are "
-        "kept for GET /health, /ready and /metrics).",
-    )
-    max_connections_per_client: int = Field(
-        256,
-        ge=1,
-        description="Open connections from one client address at most (then 503); addresses "
-        "in --trusted-proxies are held only to --max-connections.",
-    )
-    trusted_proxies: list[str] = Field(
-        default_factory=list,
-        description="Reverse-proxy addresses whose connections are not counted per client "
-        "(all their clients arrive from them), e.g. '[\"10.0.0.5\"]'.",
+
+
+class Settings(BaseSettings, EdgeSettings, TuningSettings, ServingFields):
+    """Everything the server can be told. Built once at the entry point, passed down.
+
+    Each field is ``--kebab-case`` on the command line and ``VQ_UPPER_CASE`` in the
+    environment (the command line wins).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="VQ_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_prog_name="veloxquant-serve",
+        extra="forbid",
     )
 
     @field_validator("chat_template")
