@@ -103,6 +103,8 @@ def main() -> None:
             more = " ".join(rng.choice(vocab) for _ in range(args.new_words))
             follow = [*messages, {"role": "assistant", "content": answer},
                       {"role": "user", "content": more}]  # fmt: skip
+            disk2 = work / f"pages-{rep}-again"  # as the first server left it, for --on-hit
+            shutil.copytree(disk, disk2)
             port, ctx = start(["--prefix-cache-dir", str(disk)], "restarted")
             with ctx:
                 base = f"http://127.0.0.1:{port}"
@@ -111,8 +113,6 @@ def main() -> None:
             preload = re.search(r"read from disk into memory in ([0-9.]+) s", log_text)
             runs["preload_s"] = float(preload.group(1)) if preload else 0.0
             if args.on_hit:
-                disk2 = work / f"pages-{rep}-again"
-                shutil.copytree(disk, disk2)
                 extra = ["--prefix-cache-dir", str(disk2), "--prefix-cache-preload-gb", "0"]
                 port, ctx = start(extra, "on-hit")
                 with ctx:
