@@ -19,8 +19,9 @@ more kinds of traffic, one after the other on the same server: ``greedy``, ``sam
 bandwidth: 4800 for an H200) the report says, per level, the bytes a decode step must read
 (the weights, and every row's KV at its mean context), the bandwidth the measured tokens/s
 imply and its fraction of the peak, and the tokens/s the peak would allow (the roofline).
-Writes ``serving.json`` and ``serving.md`` in ``--out``. Every server it starts is stopped by
-pid before it returns.
+After each level our server's MLX memory (``/metrics``: active, cache, peak MiB) goes with
+its figures, so a run shows how the device's memory moved. Writes ``serving.json`` and
+``serving.md`` in ``--out``. Every server it starts is stopped by pid before it returns.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from benchmarks.models import MEDIUM_CONFIG
 from loadtest.__main__ import level, parse
@@ -201,9 +204,26 @@ def serve_and_load(
                     "errors": float(sum(s.errors_by_status.values())),
                     "requests": float(s.requests),
                     "prefix_hit_rate": s.prefix_hit_rate,
+                    **mlx_memory_mib(url),
                 }
                 print(f"  {traffic} c={c}: {out[traffic][c]}", flush=True)
     return out
+
+
+def mlx_memory_mib(url: str) -> dict[str, float]:
+    """Our server's MLX memory after a level (``veloxquant_mlx_memory_bytes`` in /metrics),
+    MiB by kind as ``mlx_active_mib`` etc.; {} from a server without it (a peer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    family = families.get("veloxquant_mlx_memory_bytes")
+    if family is None:
+        return {}
+    return {f"mlx_{s.labels['kind']}_mib": round(s.value / 2**20, 1) for s in family.samples}
 
 
 def step_bytes(path: Path, rows: int, context: float) -> float:
