@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
@@ -74,10 +74,17 @@ def test_each_rows_filters_keep_what_mlx_lms_keep(params, seed):
     dtype=st.sampled_from([mx.bfloat16, mx.float16]),
     vocab=st.sampled_from([VOCAB, 5000]),
 )
+@example(  # -0 and +0 at the top_k boundary: one value, two bit patterns (found by this test)
+    params=[SamplingParams(0.0), SamplingParams(0.5, top_k=50), SamplingParams(0.0)],
+    seed=0,
+    levels=5,
+    dtype=mx.bfloat16,
+    vocab=VOCAB,
+)
 def test_the_histogram_cut_keeps_what_the_sort_keeps(params, seed, levels, dtype, vocab):
     """16-bit logits (a GPU model's): the sort-free top_p / top_k cut keeps exactly the sorted
-    cut's tokens, ties (few distinct values: ``levels``), masked tokens (-inf) and negative
-    values included."""
+    cut's tokens, ties (few distinct values: ``levels``; -0 and +0 among them), masked tokens
+    (-inf) and negative values included."""
     logits = mx.random.normal((len(params), vocab), key=mx.random.key(seed)) * 4
     if levels:
         logits = mx.round(logits * levels / 8) * 8 / levels

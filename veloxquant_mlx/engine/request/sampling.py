@@ -379,7 +379,9 @@ def _histogram_keys(
     short of top_p of the total (the lowest such key and all above), top_k every key with at
     least k tokens at or above it; ties are kept together, as the sort's cut keeps them."""
     rows = logits.shape[0]
-    bits = logits.view(mx.uint16).astype(mx.int32)
+    # -0 and +0 are one value to the sort's comparisons but two bit patterns: one key for both
+    zero = mx.zeros_like(logits)
+    bits = mx.where(logits == zero, zero, logits).view(mx.uint16).astype(mx.int32)
     key = mx.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)  # negatives below positives
     row = mx.arange(rows)[:, None]
     probs = mx.exp((logits - mx.max(logits, axis=-1, keepdims=True)).astype(mx.float32))
