@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from veloxquant_mlx.engine.loop import last_logits
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq
@@ -76,7 +77,8 @@ class Prefiller:
         # prompt's tokens never see the padding (causal), which is trimmed off the caches after
         extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
         launch = self._launched(chunk.n + extra)
-        with self.stream():
+        last = chunk.n - 1  # the position a completing chunk samples from
+        with self.stream(), last_logits.position(self.model, last):
             logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
             if extra:
                 for cache in state.caches:
@@ -84,7 +86,7 @@ class Prefiller:
             if not chunk.completes:  # the next chunk builds on these: start them now
                 mx.async_eval([(c.keys, c.values) for c in state.caches])
                 return None
-            sampled = self._sample_first([seq], logits[:, chunk.n - 1, :])
+            sampled = self._sample_first([seq], last_logits.row(logits, last))
             layers = _filled(state.caches)
         state.next_input = sampled.tokens
         return Prefilled(sampled, [(seq, layers)], launch)
@@ -105,8 +107,8 @@ class Prefiller:
             cache.vq_route = self.kv.ragged.prefill_route
         launch = self._launched(width * len(seqs))
         joins = []
-        with self.stream():
-            logits = self.model(tokens, cache=caches)[:, -1, :]
+        with self.stream(), last_logits.position(self.model, width - 1):
+            logits = last_logits.row(self.model(tokens, cache=caches), width - 1)
             sampled = self._sample_first(list(seqs), logits)
             for i, seq in enumerate(seqs):
                 p = padding[i]

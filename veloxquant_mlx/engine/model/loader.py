@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.config import EngineConfig
+from veloxquant_mlx.engine.loop import last_logits
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
@@ -350,6 +351,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         )
         require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
+    if group is None:  # (in a group every rank would have to decide alike: not there)
+        last_logits.install(model)  # a prompt's forward projects only the position it samples
     own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
     joins = prefill_join(cfg)
     runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream, joins, sampling_cut(cfg))
