@@ -68,3 +68,24 @@ def test_the_engine_installs_it(make_engine):
     engine = make_engine(kv_cache_mb=32)
     inner = engine._core.runner.model.model
     assert getattr(inner, "_vq_position", "absent") is None  # installed, and not cutting now
+
+
+class _Strict(nn.Module):
+    """An outer call that raises unless it has every position of the inner output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Embedding(50, 8)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        h = self.model(tokens)
+        if h.shape[1] != tokens.shape[1]:
+            raise ValueError("every position is needed here")
+        return h
+
+
+def test_refused_where_the_cut_call_fails():
+    model = _Strict()
+    inner_class = type(model.model)
+    assert not last_logits.install(model)
+    assert type(model.model) is inner_class and not hasattr(model.model, "_vq_position")

@@ -27,7 +27,7 @@ _ATTR = "_vq_position"  # on the inner module: the position its call returns, or
 def install(model: Any) -> bool:
     """Let ``position`` cut ``model``'s hidden states to one position before its head.
     Returns whether it did: not for a model without an inner ``model`` module, nor for one
-    whose logits differ when cut (checked on a short prompt)."""
+    whose logits differ, or whose call fails, when cut (checked on a short prompt)."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, nn.Module) or hasattr(inner, _ATTR):
         return hasattr(inner, _ATTR)
@@ -43,8 +43,11 @@ def install(model: Any) -> bool:
     cut = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
     inner.__class__ = cut
     setattr(inner, _ATTR, None)
-    if _same_logits(model):
-        return True
+    try:
+        if _same_logits(model):
+            return True
+    except Exception:  # an outer call that cannot take one position: the model as it was
+        pass
     inner.__class__ = base  # not position-wise after all: the model as it was
     delattr(inner, _ATTR)
     return False
