@@ -104,7 +104,8 @@ def main() -> None:
             follow = [*messages, {"role": "assistant", "content": answer},
                       {"role": "user", "content": more}]  # fmt: skip
             disk2 = work / f"pages-{rep}-again"  # as the first server left it, for --on-hit
-            shutil.copytree(disk, disk2)
+            if args.on_hit:
+                shutil.copytree(disk, disk2)
             port, ctx = start(["--prefix-cache-dir", str(disk)], "restarted")
             with ctx:
                 base = f"http://127.0.0.1:{port}"

@@ -43,6 +43,7 @@ import httpx
 
 from benchmarks.models import MEDIUM_CONFIG
 from loadtest.__main__ import level, parse
+from loadtest.probe import scrape
 from loadtest.proc import free_port, server
 from loadtest.runner import WORDS
 
@@ -213,17 +214,17 @@ def serve_and_load(
 def mlx_memory_mib(url: str) -> dict[str, float]:
     """Our server's MLX memory after a level (``veloxquant_mlx_memory_bytes`` in /metrics),
     MiB by kind as ``mlx_active_mib`` etc.; {} from a server without it (a peer)."""
-    from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        families = {f.name: f for f in text_string_to_metric_families(text)}
-    except (httpx.HTTPError, ValueError):
-        return {}
-    family = families.get("veloxquant_mlx_memory_bytes")
-    if family is None:
-        return {}
-    return {f"mlx_{s.labels['kind']}_mib": round(s.value / 2**20, 1) for s in family.samples}
+    async def samples() -> dict[str, float]:
+        async with httpx.AsyncClient() as client:
+            return await scrape(client, url) or {}
+
+    got = asyncio.run(samples())
+    return {
+        f"mlx_{kind}_mib": round(got[key] / 2**20, 1)
+        for kind in ("active", "cache", "peak")
+        if (key := f"veloxquant_mlx_memory_bytes{{kind={kind}}}") in got
+    }
 
 
 def step_bytes(path: Path, rows: int, context: float) -> float:

@@ -29,8 +29,10 @@ def install(model: Any) -> bool:
     Returns whether it did: not for a model without an inner ``model`` module, nor for one
     whose logits differ, or whose call fails, when cut (checked on a short prompt)."""
     inner = getattr(model, "model", None)
-    if not isinstance(inner, nn.Module) or hasattr(inner, _ATTR):
-        return hasattr(inner, _ATTR)
+    if not isinstance(inner, nn.Module):
+        return False
+    if hasattr(inner, _ATTR):  # installed already
+        return True
     base = type(inner)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
