@@ -59,19 +59,24 @@ def layout_with_rows(
     n_new: int,
     extra_ids: int = 0,
     codec: Any = None,
+    kernel: bool = False,
 ) -> tuple[Any, int]:
     """A ``kv.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
     with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids).
     ``fused``: paged, attending through the tables (the model's attention must be routed:
     ``kv.attention.install``). ``codec``: the KV's format (``kv.codec.KVCodec``; None: the
-    model's type)."""
+    model's type; ``kernel``: a quantized codec's rows attend through
+    ``--quantized-attention fused``'s route, which the model's attention must be routed to)."""
     from veloxquant_mlx.kv.paged import make_kv
 
     n_layers, start = len(layers), layers[0][0].shape[2]
     blocks = -(-(start + n_new + 1) // BLOCK)
     n_ids = rows * 2 * n_layers * blocks + extra_ids
     fused = layout == "fused"
-    kv = make_kv("paged" if fused else layout, n_layers, BLOCK, n_ids, fused=fused, codec=codec)
+    kv = make_kv(
+        "paged" if fused else layout, n_layers, BLOCK, n_ids, fused=fused, codec=codec,
+        kernel=kernel,
+    )  # fmt: skip
     for r in range(rows):
         first = r * 2 * n_layers * blocks
         table = [[first + s * blocks + b for b in range(blocks)] for s in range(2 * n_layers)]

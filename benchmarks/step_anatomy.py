@@ -10,8 +10,10 @@ over every row, then the sampling pass), launched with ``mx.async_eval`` and wai
 steps after 3 of warm-up, and the primitives in one step's graph as ``mx.export_to_dot``
 writes them (MLX's own operations before its compiled functions fuse theirs: an upper bound
 on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on every row.
-``--formats auto,int8`` takes the same step apart over the quantized dense layout
-(``--kv-format``), whose attention reads codes through ``mx.quantized_matmul``.
+``--formats auto,int8,int8+fused`` takes the same step apart over the quantized dense layout
+(``--kv-format``), whose attention reads codes through ``mx.quantized_matmul`` (mlx_lm's), or
+with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA). Each
+line also says whether row 0's greedy tokens over the steps are the first format's.
 """
 
 from __future__ import annotations
@@ -46,18 +48,23 @@ def anatomy(
 
     from veloxquant_mlx.engine.request.sampling import BatchSampler, RowSampling
     from veloxquant_mlx.engine.types import SamplingParams
+    from veloxquant_mlx.kv import attention
     from veloxquant_mlx.kv.codec import parse
 
     _, layers, y = prefill(model, prompt)
     k0 = layers[0][0]
-    codec = parse(fmt, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
-    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4, codec=codec)
+    name, _, how = fmt.partition("+")
+    codec = parse(name, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
+    kernel = how == "fused"
+    if kernel:
+        attention.install(model)
+    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4, codec=codec, kernel=kernel)
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
     tokens = mx.repeat(y.reshape(1).astype(mx.uint32), rows)
     position = len(prompt)
-    build, launch, wait, ops = [], [], [], 0
+    build, launch, wait, ops, row0 = [], [], [], 0, []
     for i in range(steps + 3):
         t0 = time.perf_counter()
         drawn = sampler.draw(step_logits(model, kv, tokens, position, n_ids))
@@ -69,6 +76,7 @@ def anatomy(
         t2 = time.perf_counter()
         mx.eval(drawn.tokens)
         t3 = time.perf_counter()
+        row0.append(int(drawn.tokens[0]))
         if i >= 3:
             build.append(t1 - t0)
             launch.append(t2 - t1b)
@@ -77,7 +85,8 @@ def anatomy(
     ms = {k: statistics.median(v) * 1e3 for k, v in (("build", build), ("launch", launch),
                                                       ("wait", wait))}  # fmt: skip
     return {"rows": rows, "format": fmt, "traffic": traffic, "ops": ops, **{f"{k}_ms": round(v, 3)
-            for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 3)}  # fmt: skip
+            for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 3),
+            "row0": row0}  # fmt: skip
 
 
 def main() -> None:
@@ -97,13 +106,17 @@ def main() -> None:
     model = mlx_lm.load(str(path))[0]
     prompt = [(7 * i) % 1000 + 3 for i in range(a.context)]
     print("| rows | KV format | traffic | ops in the graph | build ms | launch ms | wait ms "
-          "| step ms |\n|---:|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
+          "| step ms | row 0's tokens as the first format's |\n"
+          "|---:|---|---|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for rows in (int(x) for x in a.rows.split(",")):
+        first: dict[str, list[int]] = {}
         for fmt in a.formats.split(","):
             for traffic in a.traffic.split(","):
                 r = anatomy(model, prompt, rows, traffic, a.steps, fmt)
+                same = first.setdefault(traffic, r["row0"])
+                agree = sum(x == y for x, y in zip(same, r["row0"], strict=True))
                 cells = [rows, fmt, traffic, r["ops"], r["build_ms"], r["launch_ms"],
-                         r["wait_ms"], r["step_ms"]]  # fmt: skip
+                         r["wait_ms"], r["step_ms"], f"{agree}/{len(same)}"]  # fmt: skip
                 print("| " + " | ".join(map(str, cells)) + " |", flush=True)
                 print(json.dumps(r), flush=True)
 

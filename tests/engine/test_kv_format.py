@@ -120,16 +120,24 @@ def stock_quantized_tokens(model, prompt: list[int], n: int, fmt: str, group: in
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(
+    ("fmt", "attention"), [("int8", "mlx"), ("int4", "mlx"), ("int8", "fused"), ("int4", "fused")]
+)
 def test_served_tokens_match_mlx_lms_quantized_cache_with_rows_joining_and_leaving(
-    make_engine, default_model, fmt
+    make_engine, default_model, fmt, attention
 ):
     """Eight prompts at once through 3 running slots and 16-token prefill chunks: every
     request's greedy tokens are a full-precision prefill followed by mlx_lm's quantized cache
-    (the serving path adds nothing of its own to the quantization); the blocks carry the
+    (the serving path adds nothing of its own to the quantization), with mlx_lm's quantized
+    attention and through ``--quantized-attention fused``'s route alike; the blocks carry the
     format's tag while they are held; the pool is all free after."""
     engine = make_engine(
-        kv_cache_mb=8, kv_format=fmt, max_running=3, prefill_step=16, prefix_caching=False
+        kv_cache_mb=8,
+        kv_format=fmt,
+        max_running=3,
+        prefill_step=16,
+        prefix_caching=False,
+        quantized_attention=attention,
     )
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 23, 9, 41, 3, 17, 30, 12)]

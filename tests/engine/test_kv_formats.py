@@ -27,18 +27,22 @@ from veloxquant_mlx.pool import BlockPoolAllocator, PoolConfig
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.mark.parametrize("ragged", ["auto", "matmul"])
+@pytest.mark.parametrize(
+    ("ragged", "quantized"), [("auto", "mlx"), ("matmul", "mlx"), ("auto", "fused")]
+)
 def test_rows_of_three_formats_in_one_batch_each_decode_as_their_format(
-    make_engine, default_model, ragged
+    make_engine, default_model, ragged, quantized
 ):
     """Nine prompts through 4 running slots and 16-token prefill chunks, in int8 (the
     server's own), float32 and int4: every request's greedy tokens are its format's alone
     (mlx_lm's KVCache, or a full-precision prefill and mlx_lm's QuantizedKVCache), while rows
     of the other formats join and leave beside it; blocks carry each format's tag. With
     ``matmul`` every part of a step attends as the whole batch is planned (by matmul, in
-    128-position reads), as a GPU's batches of 32 rows or more do."""
+    128-position reads), as a GPU's batches of 32 rows or more do. With ``fused`` the
+    quantized rows attend through ``--quantized-attention fused``'s route."""
     engine = make_engine(
         ragged_attention=ragged,
+        quantized_attention=quantized,
         kv_cache_mb=8,
         kv_format="int8",
         kv_formats=("fp32", "int4"),

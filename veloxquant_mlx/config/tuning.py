@@ -74,6 +74,14 @@ class TuningSettings(BaseModel):
         "the blocks lie: one CUDA kernel a layer on MLX's CUDA backend, the same in MLX ops "
         "elsewhere). Needs --kv-layout paged.",
     )
+    quantized_attention: Literal["auto", "mlx", "fused"] = Field(
+        "auto",
+        description="How --kv-format int8/int4 rows attend in a decode step: mlx (mlx_lm's "
+        "quantized attention, MLX's quantized products), fused (one kernel a layer that reads "
+        "each row's own codes: on MLX's CUDA backend a kernel of this server's; the same in MLX "
+        "ops elsewhere), auto (fused on CUDA, where MLX 0.32.4's own route computed wrong "
+        "outputs; mlx elsewhere). Either is checked against the dequantized attention at start.",
+    )
     cuda_graph_ops: int | None = Field(
         None,
         ge=1,

@@ -86,6 +86,10 @@ class EngineConfig:
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).
     paged_attention: str = "gather"
+    # How quantized KV rows attend (kv/quantized_attention.py): "mlx" (mlx_lm's quantized
+    # attention), "fused" (one kernel a layer reading the codes: CUDA; elsewhere MLX ops),
+    # "auto" (fused where the kernel runs: model/loader.py quantized_kernel).
+    quantized_attention: str = "auto"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
     # BatchGenerator does (the dense layout's choice, measured faster). None: the layout's

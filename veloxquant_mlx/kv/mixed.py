@@ -178,11 +178,11 @@ class MixedKV:
 
 def _attend(part: _Part, layer: int, q: mx.array, scale: float) -> mx.array:
     """``q`` over one store's K and V as that format's own steps attend: a quantized store
-    through mlx_lm's quantized attention (with a residual window, its own: codes and ring in
-    one softmax), a float one by the batch's route (matmul, grouped with the softmax as
-    powers of two, or MLX's)."""
+    through mlx_lm's quantized attention (a fused one, with a residual window or
+    ``--quantized-attention fused``, through its own), a float one by the batch's route
+    (matmul, grouped with the softmax as powers of two, or MLX's)."""
     k, v = part.fetched
-    if isinstance(part.store, QuantizedDenseKV) and part.store.recent:
+    if isinstance(part.store, QuantizedDenseKV) and part.store.fused:
         return part.store.attend(layer, q, k, v, scale)
     batch = part.batch
     mask = batch.mask(None)
@@ -221,11 +221,12 @@ def make_mixed(
     block_size: int,
     ragged: RaggedAttention,
     recent: int = 0,
+    kernel: bool = False,
 ) -> MixedKV:
     """A ``MixedKV`` with a dense store per codec (the server's own first); a quantized one
     keeps each row's newest ``recent`` tokens in full precision (``--kv-recent-tokens``)."""
     stores: dict[str, DenseKV] = {
-        name: QuantizedDenseKV(n_layers, c, block_size, ragged, recent)
+        name: QuantizedDenseKV(n_layers, c, block_size, ragged, recent, kernel)
         if c.quantized
         else DenseKV(n_layers, block_size, ragged)
         for name, c in codecs.items()

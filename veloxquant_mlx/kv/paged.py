@@ -329,17 +329,18 @@ def make_kv(
     fused: bool = False,
     codec: KVCodec | None = None,
     recent: int = 0,
+    kernel: bool = False,
 ) -> DenseKV | PagedKV:
     """The layout ``kind`` ("dense" or "paged"; ``fused``: paged, attending through the tables),
     its KV stored as ``codec`` says (None or a float codec: the model's type as it comes; a
     quantized codec: the dense layout only, ``recent`` newest tokens of a row kept in the
-    model's type too)."""
+    model's type too, attending in one kernel a layer with ``kernel``)."""
     if fused and kind != "paged":
         raise ValueError("fused paged attention needs the paged KV layout")
     if codec is not None and codec.quantized:
         if kind != "dense":
             raise ValueError(f"--kv-format {codec.name} needs --kv-layout dense (or auto)")
-        return QuantizedDenseKV(n_layers, codec, block_size, ragged, recent)
+        return QuantizedDenseKV(n_layers, codec, block_size, ragged, recent, kernel)
     if kind == "dense":
         return DenseKV(n_layers, block_size, ragged)
     if kind == "paged":

@@ -28,11 +28,17 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.kv import quantized_attention
 from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.codec import KVCodec, Stored, join_spans, slice_span
 from veloxquant_mlx.kv.dense import DenseKV, rows_to_allocate
 from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
 
+# A quantized attention's output against the dequantized attention at start: the largest
+# difference as a fraction of the largest output. mlx_lm's on a CPU in bfloat16 (its scores in
+# the model's type) is within 3% (float16 0.4%, float32 0); a wrong one is off by its whole size
+# (MLX 0.32.4's CUDA route: 1.2-1.4x; BENCHMARKS.md)
+ROUTE_TOLERANCE = 0.1
 # The capacity shrinks when the batch's width needs this many positions fewer (hysteresis: a
 # shrink copies the working set).
 SHRINK_SLACK = 4 * READ_CHUNK
@@ -50,6 +56,7 @@ class QuantizedDenseKV(DenseKV):
         block_size: int = 16,
         ragged: RaggedAttention | None = None,
         recent: int = 0,
+        kernel: bool = False,
     ) -> None:
         if not codec.quantized:
             raise ValueError("QuantizedDenseKV takes a quantized codec")
@@ -59,7 +66,12 @@ class QuantizedDenseKV(DenseKV):
         self.qv: list[Stored] = []
         self._geometry: tuple[int, int, int] | None = None  # kv heads, K width, V width
         self.recent = recent
-        self.fused = recent > 0  # attention reads codes and ring through ``attend``
+        # Attention reads the codes (and the ring) through ``attend``: with a window, or with
+        # ``kernel`` (``--quantized-attention fused``: kv.quantized_attention)
+        self.fused = recent > 0 or kernel
+        self._kernel = quantized_attention.QuantizedAttention() if kernel else None
+        self._kernel_runs: bool | None = None  # decided at the first fused step (the model's)
+        self._lens: mx.array | None = None  # each row's positions with the new token, a step
         self.rk: list[mx.array] = []  # per layer [rows, kv_heads, recent, D]: the ring
         self.rv: list[mx.array] = []
         self._batch: StepBatch | None = None
@@ -135,6 +147,8 @@ class QuantizedDenseKV(DenseKV):
         if self.qk:
             self._grow_to(len(batch.positions_list), batch.width + 1, shrink=True)
             batch.read_whole(self.capacity)
+        if self._kernel is not None:
+            self._lens = batch.positions + 1
 
     def write_read(  # type: ignore[override]
         self, layer: int, keys: mx.array, values: mx.array, batch: StepBatch
@@ -152,7 +166,8 @@ class QuantizedDenseKV(DenseKV):
                 p = batch.positions[:, None]
                 for d, s in zip(dst, new, strict=True):
                     d[r, h, p] = s[:, :, 0, :]
-            out.append(tuple(d[:rows] for d in dst))  # whole rows: contiguous
+            if not self.fused:  # (a fused step reads the working set itself: ``attend``)
+                out.append(tuple(d[:rows] for d in dst))  # whole rows: contiguous
         if self.recent:
             for ring, src in ((self.rk[layer], keys), (self.rv[layer], values)):
                 if batch.uniform:
@@ -161,17 +176,21 @@ class QuantizedDenseKV(DenseKV):
                 else:
                     r, h = batch.scatter_index(keys.shape[1])
                     ring[r, h, (batch.positions % self.recent)[:, None]] = src[:, :, 0, :]
+        if self.fused:
             return keys, values  # the new token only: ``attend`` reads the rest
         return out[0], out[1]
 
     def attend(
         self, layer: int, queries: mx.array, keys: Any, values: Any, scale: float
     ) -> mx.array:
-        """A step's attention with a residual window: each row's positions before its last
-        ``recent`` from the codes, the window from the ring, one softmax over both. ``queries``
-        [rows, heads, 1, D]; the new token is in place already (``write_read``)."""
+        """A fused step's attention, ``queries`` [rows, heads, 1, D], the new token in place
+        already (``write_read``): without a window, each row's own positions from the codes
+        (``kv.quantized_attention``); with one, each row's positions before its last
+        ``recent`` from the codes, the window from the ring, one softmax over both."""
         batch = self._batch
         assert batch is not None
+        if not self.recent:
+            return self._attend_codes(layer, queries, scale)
         rows, n_heads, _, dim = queries.shape
         n_kv = self.rk[layer].shape[1]
         group, bits = self.codec.group_size, self.codec.bits
@@ -194,6 +213,19 @@ class QuantizedDenseKV(DenseKV):
             weights[..., :w], vw, vs, vb, transpose=False, group_size=group, bits=bits
         ) + (weights[..., w:].astype(ring_v.dtype) @ ring_v)
         return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
+
+    def _attend_codes(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        assert self._kernel is not None and self._lens is not None
+        bits, group = self.codec.bits or 8, self.codec.group_size
+        if queries.dtype != self.codec.dtype:
+            queries = queries.astype(self.codec.dtype)
+        args = (queries, self.qk[layer], self.qv[layer], self._lens, scale, bits, group)
+        if self._kernel_runs is None:  # the head dim and group are the model's: once
+            per_kv = queries.shape[1] // self.qk[layer][0].shape[1]
+            self._kernel_runs = quantized_attention.kernel_runs(queries.shape[3], per_kv, group)
+        if self._kernel_runs:
+            return self._kernel(*args)
+        return quantized_attention.reference(*args)
 
     def encode_span(self, x: mx.array) -> Stored:
         """What a cached page keeps of a prefill's KV ``x`` (a view): its quantized form."""
@@ -259,13 +291,18 @@ def window_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recen
 
 
 def check_kernels(
-    codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int, recent: int = 0
-) -> None:
+    codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int, recent: int = 0,
+    kernel: bool = False,
+) -> None:  # fmt: skip
     """Run a decode step's quantized attention through this layout once for this geometry:
     one row (a step without a mask) and two rows at different lengths (masked), read as the
-    engine's steps read them. Some MLX backends lack a kernel for some operands (MLX 0.32's
-    CUDA ``quantized_matmul`` refused a row's first positions of a longer buffer), and a
-    format that cannot run must be refused at start, not fail every request.
+    engine's steps read them, by the route the server will take (``kernel``: ``--quantized-
+    attention fused``). A backend may lack a kernel for some operands (MLX 0.32's CUDA
+    ``quantized_matmul`` refused a row's first positions of a longer buffer) or compute a wrong
+    one (the same backend's quantized attention was off by more than its own size:
+    BENCHMARKS.md), and a format that cannot run right must be refused at start, not serve
+    wrong tokens: without a window, the step's output must agree with the same attention over
+    the dequantized codes (``kv.quantized_attention.dequantized``) within ``ROUTE_TOLERANCE``.
 
     Raises:
         ValueError: One line naming the format, the shape and what to try.
@@ -274,38 +311,52 @@ def check_kernels(
         return
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+    bits, group, scale = codec.bits or 8, codec.group_size, head_dim**-0.5
     for lengths in ([9], [9, 300]):
-        kv = QuantizedDenseKV(1, codec, recent=recent)
+        kv = QuantizedDenseKV(1, codec, recent=recent, kernel=kernel)
         rows = len(lengths)
         try:
             for row, n in enumerate(lengths):
-                x = mx.ones((1, n_kv_heads, n, head_dim), dtype=codec.dtype)
-                kv.put_row(row, [(x, x)], None)
+                x = mx.random.normal((1, n_kv_heads, n, head_dim), key=mx.random.key(row))
+                kv.put_row(row, [(x.astype(codec.dtype), x.astype(codec.dtype))], None)
             batch = kv.step_batch(lengths)
             kv.begin_step(batch, 0)
             new = mx.ones((rows, n_kv_heads, 1, head_dim), dtype=codec.dtype)
             keys, values = kv.write_read(0, new, new, batch)
-            queries = mx.zeros((rows, n_heads, 1, head_dim), dtype=codec.dtype)
-            if recent:
-                out = kv.attend(0, queries, keys, values, 1.0)
-            else:
+            queries = mx.random.normal((rows, n_heads, 1, head_dim), key=mx.random.key(7))
+            queries = queries.astype(codec.dtype)
+            if kv.fused:
+                out = kv.attend(0, queries, keys, values, scale)
+            else:  # (mlx_lm scales its queries in place: a copy)
                 out = quantized_scaled_dot_product_attention(
-                    queries,
-                    keys,
-                    values,
-                    1.0,
-                    batch.mask(None),
-                    group_size=codec.group_size,
-                    bits=codec.bits or 8,
+                    mx.array(queries), keys, values, scale, batch.mask(None), group, bits
                 )
             mx.eval(out)
         except (RuntimeError, ValueError) as exc:
             reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
             raise ValueError(
                 f"--kv-format {codec.name}: MLX on {mx.default_device()} cannot run quantized "
-                f"attention for {head_dim}-wide heads at group size {codec.group_size} "
-                f"({reason}); try --kv-group-size {32 if codec.group_size == 64 else 64} or "
+                f"attention for {head_dim}-wide heads at group size {group} "
+                f"({reason}); try --kv-group-size {32 if group == 64 else 64} or "
                 "--kv-format auto"
             ) from None
-        finally:
-            kv.clear()
+        if recent:  # (the window's positions are attended in full precision: not comparable)
+            continue
+        lens = batch.positions + 1
+        want = quantized_attention.dequantized(queries, kv.qk[0], kv.qv[0], lens, scale, bits,
+                                               group).astype(mx.float32)  # fmt: skip
+        gap = float(mx.abs(out.astype(mx.float32) - want).max())
+        size = float(mx.abs(want).max())
+        if not gap <= ROUTE_TOLERANCE * size:
+            route = "fused" if kernel else "mlx"
+            instead = "--quantized-attention " + ("mlx" if kernel else "fused")
+            if not kernel and not quantized_attention.kernel_runs(
+                head_dim, n_heads // n_kv_heads, group
+            ):
+                instead = "--kv-format auto"
+            raise ValueError(
+                f"--kv-format {codec.name}: quantized attention ({route}) on "
+                f"{mx.default_device()} differs from the dequantized attention by {gap:.3g} "
+                f"(outputs up to {size:.3g}; {head_dim}-wide heads, group size {group}): "
+                f"wrong on this backend; use {instead}"
+            )

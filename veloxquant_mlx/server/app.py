@@ -69,6 +69,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         mlx_cache_limit_mb=settings.mlx_cache_limit_mb,
         prefill_join=settings.prefill_join,
         paged_attention=settings.paged_attention,
+        quantized_attention=settings.quantized_attention,
         prefix_caching=settings.prefix_caching,
         prefix_cache_answers=settings.prefix_cache_answers,
         prefix_cache_dir=settings.prefix_cache_dir,

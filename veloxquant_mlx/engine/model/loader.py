@@ -32,7 +32,7 @@ from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.formats import Formats, kv_formats
 from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_geometry
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
-from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv import attention, quantized_attention
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.mixed import make_mixed, mixed_unreached
 from veloxquant_mlx.kv.paged import fused_unreached, make_kv
@@ -179,6 +179,32 @@ def fused_attention(
     return True
 
 
+def quantized_kernel(requested: str, formats: Formats, head_dim: int, per_kv: int) -> bool:
+    """Whether quantized rows attend in one kernel a layer (``fused``,
+    ``kv.quantized_attention``) rather than mlx_lm's quantized attention (``mlx``); ``auto``:
+    fused where the kernel runs (MLX's CUDA backend, a geometry it holds: ``per_kv`` query heads
+    a KV head), where MLX 0.32.4's own route computed wrong outputs (DESIGN-NOTES.md); mlx
+    elsewhere.
+
+    Raises:
+        ValueError: An unknown mode, or fused with no quantized format to read.
+    """
+    if requested not in ("auto", "mlx", "fused"):
+        raise ValueError(f"quantized attention must be auto, mlx or fused, got {requested!r}")
+    quantized = [c for c in formats.codecs.values() if c.quantized]
+    if requested == "auto":
+        return bool(quantized) and all(
+            quantized_attention.kernel_runs(head_dim, per_kv, c.group_size) for c in quantized
+        )
+    if requested == "mlx":
+        return False
+    if not quantized:
+        raise ValueError(
+            "--quantized-attention fused needs --kv-format int8 or int4 (or --kv-formats with one)"
+        )
+    return True
+
+
 def require_routed(missing: list[int], flag: str, instead: str) -> None:
     """Refuse ``flag`` (one line naming ``instead``) where some layers' attention does not
     reach the layout's own (``missing``: ``kv.step.unreached_layers``)."""
@@ -278,11 +304,19 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     formats = kv_formats(cfg, geometry)
     codec = formats.own
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
+    kernel = quantized_kernel(
+        cfg.quantized_attention, formats, geometry.head_dim, int(n_heads) // geometry.n_kv_heads
+    )
     for each in formats.codecs.values():
         if each.quantized:  # MLX compiles these kernels on first use (minutes for int4 on CUDA)
             log.info("checking %s quantized attention on %s", each.name, mx.default_device())
         check_kernels(
-            each, int(n_heads), geometry.n_kv_heads, geometry.head_dim, cfg.kv_recent_tokens
+            each,
+            int(n_heads),
+            geometry.n_kv_heads,
+            geometry.head_dim,
+            cfg.kv_recent_tokens,
+            kernel,
         )
     windows = window_blocks(cfg, geometry, formats)
     sizing = pool_config(
@@ -334,22 +368,30 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         fused,
         codec,
         cfg.kv_recent_tokens,
+        kernel,
     )
     if formats.mixed:  # each format's rows in a store of its own (kv.mixed)
         kv = make_mixed(
-            formats.codecs, geometry.n_layers_total, cfg.block_size, ragged, cfg.kv_recent_tokens
+            formats.codecs,
+            geometry.n_layers_total,
+            cfg.block_size,
+            ragged,
+            cfg.kv_recent_tokens,
+            kernel,
         )
         attention.install(model)
         missing = mixed_unreached(
             model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv, codec.dtype
         )
         require_routed(missing, "--kv-formats", "one KV format (drop --kv-formats)")
-    if cfg.kv_recent_tokens and not formats.mixed:  # routed (kv.quantized.attend)
+    if (cfg.kv_recent_tokens or kernel) and not formats.mixed:  # routed (kv.quantized.attend)
         attention.install(model)
         missing = window_unreached(
             model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv
         )
-        require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
+        if cfg.kv_recent_tokens:
+            require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
+        require_routed(missing, "--quantized-attention fused", "--quantized-attention mlx")
     vocab_size = int(model(mx.array([[0]])).shape[-1])  # the logits' width, added tokens too
     if group is None:  # (in a group every rank would have to decide alike: not there)
         last_logits.install(model)  # a prompt's forward projects only the position it samples
@@ -393,7 +435,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             if cfg.kv_recent_tokens
             else ""
         ),
-        layout + (" (fused attention)" if fused else ""),
+        layout + (" (fused attention)" if fused or kernel else ""),
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
         "matmul" if ragged.prefill_route is not None else "sdpa",

@@ -1,0 +1,261 @@
+"""Decode attention that reads quantized K and V where they lie (``--quantized-attention fused``).
+
+The quantized dense layout's default (``mlx``) is mlx_lm's quantized attention: a product of
+the queries with the K codes (``mx.quantized_matmul``), a mask, a softmax, a product with the V
+codes, a handful of launches a layer. On MLX's CUDA backend (0.32) those products take only
+contiguous operands, so every row is read to the working set's capacity and masked past its
+own length; at 128 rows the two products ran far from the bandwidth their bytes need; and each
+4-bit product is compiled the first time a server meets it, about 20 s apiece (BENCHMARKS.md).
+
+``fused`` attends in one kernel a layer (``mx.fast.cuda_kernel``): one thread block per row and
+KV head, ``WARPS`` warps over the row's own positions (position ``t`` to warp ``t % WARPS``), a
+lane dequantizing ``head_dim / 32`` of each vector from its codes, its group's scale and bias
+(``w = scale * q + bias``, MLX's affine codes, ``32 / bits`` values a word from the low bits
+up), as ``kv.paged_attention``'s kernel reads floats: a running softmax per query head of the
+KV head's group, the warps' partials combined through shared memory; scores and sums in
+float32. Elsewhere ``fused`` computes the same attention in MLX ops (``reference``: the codes
+through ``mx.quantized_matmul``, masked by each row's length), so the routing is the same on
+every backend and is what the CPU tests run; the kernel runs only on CUDA, where the start
+check (``kv.quantized.check_kernels``) compares it with the dequantized attention and
+``benchmarks.step_anatomy`` measures it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from veloxquant_mlx.kv.attention import cuda_available
+
+WARPS = 8  # per thread block: 256 threads
+SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
+
+_HEADER = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+__device__ inline float vqq_float(float x) { return x; }
+__device__ inline float vqq_float(__half x) { return __half2float(x); }
+__device__ inline float vqq_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline void vqq_store(float* p, float v) { *p = v; }
+__device__ inline void vqq_store(__half* p, float v) { *p = __float2half(v); }
+__device__ inline void vqq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+"""
+
+_SOURCE = """
+    constexpr int E = D / 32;           // values a lane holds of each vector
+    constexpr int PER = 32 / BITS;      // values a code word holds
+    constexpr int WPOS = D * BITS / 32; // code words a position holds
+    constexpr int NG = D / GS;          // groups (scale, bias) a position holds
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const int lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5;
+    const int h = blockIdx.y;
+    const int r = blockIdx.z;
+    const int cap = kw_shape[2];
+    const int len = lens[r];
+    const float sc = scale[0];
+    const size_t base = ((size_t)r * HKV + h) * (size_t)cap;  // the row's position 0
+    const int i0 = lane * E;            // this lane's first value; all E in one group
+    const int grp = i0 / GS;
+    float qv[G][E];
+    float m[G], l[G], acc[G][E];
+    for (int g = 0; g < G; ++g) {
+        const T* qp = q + ((size_t)r * (HKV * G) + h * G + g) * D + i0;
+        for (int e = 0; e < E; ++e) {
+            qv[g][e] = vqq_float(qp[e]) * sc;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = -1e30f;
+        l[g] = 0.0f;
+    }
+    #pragma unroll 2
+    for (int t = w; t < len; t += WARPS) {
+        const size_t pos = base + t;
+        const uint32_t* kp = kw + pos * WPOS;
+        const uint32_t* vp = vw + pos * WPOS;
+        const float ka = vqq_float(ks[pos * NG + grp]);
+        const float kc = vqq_float(kb[pos * NG + grp]);
+        const float va = vqq_float(vs[pos * NG + grp]);
+        const float vc = vqq_float(vb[pos * NG + grp]);
+        float kx[E], vx[E];
+        for (int e = 0; e < E; ++e) {
+            const int i = i0 + e;
+            const int shift = (i % PER) * BITS;
+            kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
+            vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
+        }
+        for (int g = 0; g < G; ++g) {
+            float s = 0.0f;
+            for (int e = 0; e < E; ++e) {
+                s += qv[g][e] * kx[e];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                s += __shfl_xor_sync(0xffffffff, s, o);
+            }
+            const float mn = fmaxf(m[g], s);
+            const float c = expf(m[g] - mn);
+            const float p = expf(s - mn);
+            l[g] = l[g] * c + p;
+            for (int e = 0; e < E; ++e) {
+                acc[g][e] = acc[g][e] * c + p * vx[e];
+            }
+            m[g] = mn;
+        }
+    }
+    __shared__ float sm[WARPS][G];
+    __shared__ float sl[WARPS][G];
+    __shared__ float sacc[WARPS][G][D];
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) {
+            sm[w][g] = m[g];
+            sl[w][g] = l[g];
+        }
+        for (int e = 0; e < E; ++e) {
+            sacc[w][g][i0 + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+        const int g = i / D;
+        const int d = i % D;
+        float top = -1e30f;
+        for (int j = 0; j < WARPS; ++j) {
+            top = fmaxf(top, sm[j][g]);
+        }
+        float total = 0.0f;
+        float sum = 0.0f;
+        for (int j = 0; j < WARPS; ++j) {
+            const float f = expf(sm[j][g] - top);
+            total += sl[j][g] * f;
+            sum += sacc[j][g][d] * f;
+        }
+        vqq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);
+    }
+"""
+
+
+def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
+    """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
+    dim of whole warps whose lanes' values never straddle a quantization group, and the warps'
+    partials for ``group`` query heads per KV head in shared memory. Elsewhere it runs the same
+    attention in MLX ops (``reference``)."""
+    per_lane = head_dim // 32
+    fits = (
+        head_dim % 32 == 0
+        and group_size % per_lane == 0
+        and WARPS * group * (head_dim + 2) * 4 <= SHARED_BYTES
+    )
+    return fits and cuda_available() and mx.default_device() == mx.gpu
+
+
+class QuantizedAttention:
+    """The kernel and its constant input (the scale), made at first use; one per
+    ``QuantizedDenseKV``. Engine thread only."""
+
+    def __init__(self) -> None:
+        self._kernel: Any = None
+        self._scales: dict[float, mx.array] = {}
+
+    def __call__(
+        self,
+        queries: mx.array,
+        keys: tuple[mx.array, ...],
+        values: tuple[mx.array, ...],
+        lens: mx.array,
+        scale: float,
+        bits: int,
+        group_size: int,
+    ) -> mx.array:
+        """One new token per row over each row's first ``lens`` positions: ``queries [rows,
+        HQ, 1, D]``; ``keys``/``values`` the layer's working set as stored, ``(codes, scales,
+        biases)`` of ``[R, HKV, capacity, D * bits / 32]`` (uint32) and ``[R, HKV, capacity,
+        D / group_size]`` with ``R >= rows`` (the new token in place); ``lens [rows]`` int32.
+        Returns ``[rows, HQ, 1, D]`` in the queries' dtype. CUDA only (``kernel_runs``);
+        lazy, like any MLX op."""
+        rows, n_q, _, dim = queries.shape
+        n_kv = keys[0].shape[1]
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(
+                name="vq_quantized_decode",
+                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "lens", "scale"],
+                output_names=["out"],
+                source=_SOURCE,
+                header=_HEADER,
+            )
+        constant = self._scales.get(scale)
+        if constant is None:
+            constant = self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        (out,) = self._kernel(
+            inputs=[queries, *keys, *values, lens, constant],
+            template=[
+                ("T", queries.dtype),
+                ("D", dim),
+                ("HKV", n_kv),
+                ("G", n_q // n_kv),
+                ("BITS", bits),
+                ("GS", group_size),
+                ("WARPS", WARPS),
+            ],
+            grid=(WARPS * 32, n_kv, rows),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(rows, n_q, 1, dim)],
+            output_dtypes=[queries.dtype],
+        )
+        return out
+
+
+def reference(
+    queries: mx.array,
+    keys: tuple[mx.array, ...],
+    values: tuple[mx.array, ...],
+    lens: mx.array,
+    scale: float,
+    bits: int,
+    group_size: int,
+) -> mx.array:
+    """``QuantizedAttention`` in MLX ops, on any backend (the same arguments): each row's whole
+    capacity through ``mx.quantized_matmul`` (mlx_lm's quantized attention), masked past its
+    own length. What ``fused`` runs where the kernel does not."""
+    rows, n_heads, _, dim = queries.shape
+    n_kv, width = keys[0].shape[1], keys[0].shape[2]
+    kw, ks, kb = (mx.expand_dims(p[:rows], 2) for p in keys)
+    vw, vs, vb = (mx.expand_dims(p[:rows], 2) for p in values)
+    q = (queries * mx.array(scale, queries.dtype)).reshape(rows, n_kv, n_heads // n_kv, 1, dim)
+    scores = mx.quantized_matmul(
+        q, kw, ks, kb, transpose=True, group_size=group_size, bits=bits
+    )  # [rows, kv, group, 1, width]
+    seen = mx.arange(width)[None, :] < lens[:, None]
+    scores = mx.where(
+        seen[:, None, None, None, :], scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+    )
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(
+        weights, vw, vs, vb, transpose=False, group_size=group_size, bits=bits
+    )
+    return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
+
+
+def dequantized(
+    queries: mx.array,
+    keys: tuple[mx.array, ...],
+    values: tuple[mx.array, ...],
+    lens: mx.array,
+    scale: float,
+    bits: int,
+    group_size: int,
+) -> mx.array:
+    """The same attention over the codes dequantized (``mx.dequantize``, then float32 products):
+    the start check's yardstick for the kernel, which no quantized product enters."""
+    rows, n_heads, _, dim = queries.shape
+    n_kv, width = keys[0].shape[1], keys[0].shape[2]
+    kw, ks, kb = (p[:rows] for p in keys)
+    vw, vs, vb = (p[:rows] for p in values)
+    k = mx.dequantize(kw, ks, kb, group_size=group_size, bits=bits)
+    v = mx.dequantize(vw, vs, vb, group_size=group_size, bits=bits)
+    q = queries.astype(mx.float32).reshape(rows, n_kv, n_heads // n_kv, dim) * scale
+    scores = q @ k.astype(mx.float32).swapaxes(-1, -2)  # [rows, kv, group, width]
+    seen = mx.arange(width)[None, :] < lens[:, None]
+    scores = mx.where(seen[:, None, None, :], scores, mx.array(-float("inf"), mx.float32))
+    out = mx.softmax(scores, axis=-1) @ v.astype(mx.float32)
+    return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
