@@ -8,6 +8,9 @@
   attention to ``PagedKV.attend`` (``--paged-attention fused``).
 - ``paged_attention``: that attention through the block tables (a CUDA kernel; MLX ops
   elsewhere).
+- ``codec``, ``quantized``, ``mixed``: KV stored quantized (``--kv-format``), a format per
+  request (``--kv-formats``); ``quantized_attention``: quantized decode attention in one CUDA
+  kernel a layer (``--quantized-attention``; MLX ops elsewhere).
 
 Imports MLX; imports neither the engine nor the seed's caches (``veloxquant_mlx.cache``).
 Engine thread only.
