@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Quantized KV on a GPU in one device call: the decode step taken apart per format and route
+# (with row 0's tokens against bf16's), then serving at 32 and 128 clients, bf16 against fused
+# int8 and fused int4, then a budget that holds about half of 128 clients' contexts in bf16. With
+# MLX_ROUTE=1 the step benchmark also takes int8 through mlx_lm's quantized attention (a server
+# refuses that route where it computes wrong, as on MLX 0.32.4's CUDA backend). Writes under
+# OUT_DIR; prints the tables and each level's line.
+#
+#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; ~9 minutes at 8b)
+#
+# On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
+# .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
+set -uo pipefail
+out=$1 shape=${2:-8b}
+mkdir -p "$out" bench-work
+. "$(dirname "$0")/serve_lib.sh"
+model=$(gpu_model "$shape")
+ln -sfn "$model" "bench-work/model-$shape"           # step_anatomy's name for it
+ln -sfn "$model" "bench-work/model-$shape-tokvocab"  # benchmarks.serving's
+kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
+t0=$(date +%s)
+formats=auto,int8+fused,int4+fused
+[ "${MLX_ROUTE:-0}" = 1 ] && formats=auto,int8,int8+fused,int4+fused
+timeout 200 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
+  --formats "$formats" --traffic greedy --steps 15 > "$out/anatomy.txt" 2>&1
+grep '^|' "$out/anatomy.txt"
+variants=(--variant="--kv-format int8 --quantized-attention fused"
+          --variant="--kv-format int4 --quantized-attention fused")
+timeout 330 python3 -m benchmarks.serving --shape "$shape" --concurrency 32,128 --per-client 3 \
+  --tokenizer-vocab --layouts dense --peers none --kv-cache-mb "$kv" --peak-gbs 4800 \
+  "${variants[@]}" --out "$out/serving" > "$out/serving.txt" 2>&1
+grep -E "^ours|c=[0-9]+:" "$out/serving.txt" | cut -c1-140
+left=$(( 570 - ($(date +%s) - t0) ))
+if [ "$left" -gt 120 ]; then
+  timeout "$left" python3 -m benchmarks.serving --shape "$shape" --concurrency 128 \
+    --per-client 3 --tokenizer-vocab --layouts dense --peers none \
+    --kv-cache-mb $(( kv * 3300 / 16384 )) --peak-gbs 4800 \
+    --variant="--kv-format int4 --quantized-attention fused" --out "$out/budget" \
+    > "$out/budget.txt" 2>&1
+  grep -E "^ours|c=[0-9]+:" "$out/budget.txt" | cut -c1-140
+fi
