@@ -143,3 +143,26 @@ def test_fused_without_a_quantized_format_is_refused_at_start(default_model_dir)
             engine.wait_ready(120)
     finally:
         engine.shutdown(5)
+
+
+def test_the_start_check_holds_a_residual_window_to_its_dequantized_attention(monkeypatch):
+    """With ``--kv-recent-tokens`` the step attends over codes and ring (MLX's quantized
+    products for the codes, on every backend): it is compared with the same attention over the
+    dequantized codes and the ring; a wrong one (the codes' scores flipped in sign) stands in
+    for a backend that computes it wrong, and the start is refused in one line."""
+    codec = kv_codec.parse("int8", "bfloat16", 128, None)
+    for recent in (16, 512):  # a window inside the rows, and one past them
+        check_kernels(codec, 32, 8, 128, recent)
+    original = mx.quantized_matmul
+
+    def wrong(x, *args, **kwargs):
+        return (
+            original(-x, *args, **kwargs)
+            if kwargs.get("transpose")
+            else original(x, *args, **kwargs)
+        )
+
+    monkeypatch.setattr(mx, "quantized_matmul", wrong)
+    with pytest.raises(ValueError, match="use --kv-recent-tokens 0") as info:
+        check_kernels(codec, 32, 8, 128, 16)
+    assert "\n" not in str(info.value) and "with a residual window" in str(info.value)

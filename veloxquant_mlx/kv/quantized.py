@@ -214,6 +214,36 @@ class QuantizedDenseKV(DenseKV):
         ) + (weights[..., w:].astype(ring_v.dtype) @ ring_v)
         return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
 
+    def window_reference(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        """``attend``'s window route in float32 over the dequantized codes (``mx.dequantize``,
+        no quantized product): the start check's yardstick for it."""
+        batch = self._batch
+        assert batch is not None
+        rows, n_heads, _, dim = queries.shape
+        n_kv = self.rk[layer].shape[1]
+        bits, group = self.codec.bits or 8, self.codec.group_size
+        kw, ks, kb = (p[:rows] for p in self.qk[layer])
+        vw, vs, vb = (p[:rows] for p in self.qv[layer])
+        keys = mx.concatenate(
+            [mx.dequantize(kw, ks, kb, group_size=group, bits=bits), self.rk[layer][:rows]], 2
+        ).astype(mx.float32)
+        values = mx.concatenate(
+            [mx.dequantize(vw, vs, vb, group_size=group, bits=bits), self.rv[layer][:rows]], 2
+        ).astype(mx.float32)
+        lengths = (batch.positions + 1)[:, None]
+        seen = mx.concatenate(
+            [
+                mx.arange(self.capacity)[None, :] < lengths - self.recent,
+                mx.arange(self.recent)[None, :] < lengths,
+            ],
+            axis=1,
+        )
+        q = queries.astype(mx.float32).reshape(rows, n_kv, n_heads // n_kv, dim) * scale
+        scores = q @ keys.swapaxes(-1, -2)
+        scores = mx.where(seen[:, None, None, :], scores, mx.array(-float("inf"), mx.float32))
+        out = mx.softmax(scores, axis=-1) @ values
+        return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
+
     def _attend_codes(self, layer: int, queries: mx.array, scale: float) -> mx.array:
         assert self._kernel is not None and self._lens is not None
         bits, group = self.codec.bits or 8, self.codec.group_size
@@ -340,17 +370,20 @@ def check_kernels(
                 f"({reason}); try --kv-group-size {32 if group == 64 else 64} or "
                 "--kv-format auto"
             ) from None
-        if recent:  # (the window's positions are attended in full precision: not comparable)
-            continue
         lens = batch.positions + 1
-        want = quantized_attention.dequantized(queries, kv.qk[0], kv.qv[0], lens, scale, bits,
-                                               group).astype(mx.float32)  # fmt: skip
+        if recent:
+            want = kv.window_reference(0, queries, scale).astype(mx.float32)
+        else:
+            want = quantized_attention.dequantized(queries, kv.qk[0], kv.qv[0], lens, scale,
+                                                   bits, group).astype(mx.float32)  # fmt: skip
         gap = float(mx.abs(out.astype(mx.float32) - want).max())
         size = float(mx.abs(want).max())
         if not gap <= ROUTE_TOLERANCE * size:
             route = "fused" if kernel else "mlx"
             instead = "--quantized-attention " + ("mlx" if kernel else "fused")
-            if not kernel and not quantized_attention.kernel_runs(
+            if recent:
+                route, instead = "with a residual window", "--kv-recent-tokens 0"
+            elif not kernel and not quantized_attention.kernel_runs(
                 head_dim, n_heads // n_kv_heads, group
             ):
                 instead = "--kv-format auto"
