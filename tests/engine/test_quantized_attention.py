@@ -96,7 +96,7 @@ def test_the_start_check_refuses_mlx_lms_route_where_it_computes_wrong(monkeypat
 
 def test_auto_takes_the_kernel_where_it_runs(monkeypatch):
     from veloxquant_mlx.engine.model.formats import Formats
-    from veloxquant_mlx.engine.model.loader import quantized_kernel
+    from veloxquant_mlx.engine.model.kv_routes import quantized_kernel
 
     int8 = kv_codec.parse("int8", "bfloat16", 128, None)
     bf16 = kv_codec.parse("auto", "bfloat16", 128, None)

@@ -88,7 +88,7 @@ class EngineConfig:
     paged_attention: str = "gather"
     # How quantized KV rows attend (kv/quantized_attention.py): "mlx" (mlx_lm's quantized
     # attention), "fused" (one kernel a layer reading the codes: CUDA; elsewhere MLX ops),
-    # "auto" (fused where the kernel runs: model/loader.py quantized_kernel).
+    # "auto" (fused where the kernel runs: model/kv_routes.py quantized_kernel).
     quantized_attention: str = "auto"
     # Launch a decode step only once the previous one has finished (its graph is built while
     # it runs). False launches at once, one step ahead of the tokens being read, as mlx_lm's
