@@ -191,6 +191,19 @@ class QuantizedDenseKV(DenseKV):
         assert batch is not None
         if not self.recent:
             return self._attend_codes(layer, queries, scale)
+        if self._kernel_here(queries):
+            assert self._kernel is not None and self._lens is not None
+            return self._kernel.window(
+                queries.astype(self.codec.dtype),
+                self.qk[layer],
+                self.qv[layer],
+                self.rk[layer],
+                self.rv[layer],
+                self._lens,
+                scale,
+                self.codec.bits or 8,
+                self.codec.group_size,
+            )
         rows, n_heads, _, dim = queries.shape
         n_kv = self.rk[layer].shape[1]
         group, bits = self.codec.group_size, self.codec.bits
@@ -244,16 +257,25 @@ class QuantizedDenseKV(DenseKV):
         out = mx.softmax(scores, axis=-1) @ values
         return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
 
+    def _kernel_here(self, queries: mx.array) -> bool:
+        """Whether this layout's kernel runs here (``--quantized-attention fused`` on CUDA, a
+        geometry it holds); decided at the first fused step (the model's geometry)."""
+        if self._kernel is None:
+            return False
+        if self._kernel_runs is None:
+            per_kv = queries.shape[1] // self.qk[0][0].shape[1]
+            self._kernel_runs = quantized_attention.kernel_runs(
+                queries.shape[3], per_kv, self.codec.group_size
+            )
+        return self._kernel_runs
+
     def _attend_codes(self, layer: int, queries: mx.array, scale: float) -> mx.array:
         assert self._kernel is not None and self._lens is not None
         bits, group = self.codec.bits or 8, self.codec.group_size
         if queries.dtype != self.codec.dtype:
             queries = queries.astype(self.codec.dtype)
         args = (queries, self.qk[layer], self.qv[layer], self._lens, scale, bits, group)
-        if self._kernel_runs is None:  # the head dim and group are the model's: once
-            per_kv = queries.shape[1] // self.qk[layer][0].shape[1]
-            self._kernel_runs = quantized_attention.kernel_runs(queries.shape[3], per_kv, group)
-        if self._kernel_runs:
+        if self._kernel_here(queries):
             return self._kernel(*args)
         return quantized_attention.reference(*args)
 

@@ -134,6 +134,48 @@ _SOURCE = """
     }
 """
 
+# The step's loads of one position, from the codes...
+_CODES_LOAD = """        const uint32_t* kp = kw + pos * WPOS;
+        const uint32_t* vp = vw + pos * WPOS;
+        const float ka = vqq_float(ks[pos * NG + grp]);
+        const float kc = vqq_float(kb[pos * NG + grp]);
+        const float va = vqq_float(vs[pos * NG + grp]);
+        const float vc = vqq_float(vb[pos * NG + grp]);
+        float kx[E], vx[E];
+        for (int e = 0; e < E; ++e) {
+            const int i = i0 + e;
+            const int shift = (i % PER) * BITS;
+            kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
+            vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
+        }
+"""
+# ... and, with a residual window, a row's newest RECENT positions from its ring instead
+# (position p in slot p % RECENT of ``rk``/``rv [R, HKV, RECENT, D]``, the model's type)
+_WINDOW_LOAD = """        float kx[E], vx[E];
+        if (t >= len - RECENT) {
+            const size_t slot = ((size_t)r * HKV + h) * RECENT + t % RECENT;
+            for (int e = 0; e < E; ++e) {
+                kx[e] = vqq_float(rk[slot * D + i0 + e]);
+                vx[e] = vqq_float(rv[slot * D + i0 + e]);
+            }
+        } else {
+            const uint32_t* kp = kw + pos * WPOS;
+            const uint32_t* vp = vw + pos * WPOS;
+            const float ka = vqq_float(ks[pos * NG + grp]);
+            const float kc = vqq_float(kb[pos * NG + grp]);
+            const float va = vqq_float(vs[pos * NG + grp]);
+            const float vc = vqq_float(vb[pos * NG + grp]);
+            for (int e = 0; e < E; ++e) {
+                const int i = i0 + e;
+                const int shift = (i % PER) * BITS;
+                kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
+                vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
+            }
+        }
+"""
+assert _SOURCE.count(_CODES_LOAD) == 1
+_WINDOW_SOURCE = _SOURCE.replace(_CODES_LOAD, _WINDOW_LOAD)
+
 
 def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
     """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
@@ -150,12 +192,19 @@ def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
 
 
 class QuantizedAttention:
-    """The kernel and its constant input (the scale), made at first use; one per
-    ``QuantizedDenseKV``. Engine thread only."""
+    """The kernels (without and with a residual window) and their constant input (the scale),
+    made at first use; one per ``QuantizedDenseKV``. Engine thread only."""
 
     def __init__(self) -> None:
         self._kernel: Any = None
+        self._window_kernel: Any = None
         self._scales: dict[float, mx.array] = {}
+
+    def _scale(self, scale: float) -> mx.array:
+        constant = self._scales.get(scale)
+        if constant is None:
+            constant = self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        return constant
 
     def __call__(
         self,
@@ -183,11 +232,8 @@ class QuantizedAttention:
                 source=_SOURCE,
                 header=_HEADER,
             )
-        constant = self._scales.get(scale)
-        if constant is None:
-            constant = self._scales[scale] = mx.array([scale], dtype=mx.float32)
         (out,) = self._kernel(
-            inputs=[queries, *keys, *values, lens, constant],
+            inputs=[queries, *keys, *values, lens, self._scale(scale)],
             template=[
                 ("T", queries.dtype),
                 ("D", dim),
@@ -195,6 +241,51 @@ class QuantizedAttention:
                 ("G", n_q // n_kv),
                 ("BITS", bits),
                 ("GS", group_size),
+                ("WARPS", WARPS),
+            ],
+            grid=(WARPS * 32, n_kv, rows),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(rows, n_q, 1, dim)],
+            output_dtypes=[queries.dtype],
+        )
+        return out
+
+    def window(
+        self,
+        queries: mx.array,
+        keys: tuple[mx.array, ...],
+        values: tuple[mx.array, ...],
+        ring_k: mx.array,
+        ring_v: mx.array,
+        lens: mx.array,
+        scale: float,
+        bits: int,
+        group_size: int,
+    ) -> mx.array:
+        """``__call__`` with a residual window: each row's newest ``recent`` positions read from
+        its ring (``ring_k``/``ring_v [R, HKV, recent, D]``, position ``p`` in slot ``p %
+        recent``, the queries' dtype), the rest from the codes, one softmax (what
+        ``kv.quantized.QuantizedDenseKV.attend`` computes in MLX ops). CUDA only; lazy."""
+        rows, n_q, _, dim = queries.shape
+        n_kv, recent = keys[0].shape[1], ring_k.shape[2]
+        if self._window_kernel is None:
+            self._window_kernel = mx.fast.cuda_kernel(
+                name="vq_quantized_window_decode",
+                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "rk", "rv", "lens", "scale"],
+                output_names=["out"],
+                source=_WINDOW_SOURCE,
+                header=_HEADER,
+            )
+        (out,) = self._window_kernel(
+            inputs=[queries, *keys, *values, ring_k, ring_v, lens, self._scale(scale)],
+            template=[
+                ("T", queries.dtype),
+                ("D", dim),
+                ("HKV", n_kv),
+                ("G", n_q // n_kv),
+                ("BITS", bits),
+                ("GS", group_size),
+                ("RECENT", recent),
                 ("WARPS", WARPS),
             ],
             grid=(WARPS * 32, n_kv, rows),
