@@ -8,7 +8,8 @@ block and the step's new token from the layer's new K and V (it reaches the stor
 next step begins, as in ``gather``). Elsewhere ``fused`` computes the same thing in MLX ops (the
 gather, then MLX's attention), so the routing is the same on every backend and is what the
 CPU tests run; the kernel itself runs only on CUDA, where ``benchmarks.single_stream`` and
-``benchmarks.step_bench`` check its tokens against stock mlx_lm.
+``benchmarks.step_bench`` check its tokens against stock mlx_lm (and its source runs on a CPU
+through the tests' emulation, ``tests/engine/cuda_emulation.py``, against ``reference``).
 
 The kernel: one thread block per row and KV head, ``WARPS`` warps over the row's positions
 (position ``t`` to warp ``t % WARPS``), a lane holding ``head_dim / 32`` of each vector. Each
