@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Quantized KV on a GPU in one device call: the decode step taken apart per format and route
-# (with row 0's tokens against bf16's), then serving at 32 and 128 clients, bf16 against fused
-# int8 and fused int4, then a budget that holds about half of 128 clients' contexts in bf16. With
-# MLX_ROUTE=1 the step benchmark also takes int8 through mlx_lm's quantized attention (a server
-# refuses that route where it computes wrong, as on MLX 0.32.4's CUDA backend). Writes under
-# OUT_DIR; prints the tables and each level's line.
+# (int8 and int4 fused, int8 fused with a 16-token window; row 0's tokens against bf16's), then
+# serving at 32 and 128 clients, bf16 against fused int8 and fused int4, then a budget that
+# holds about half of 128 clients' contexts in bf16. With MLX_ROUTE=1 the step benchmark also
+# takes int8 through mlx_lm's quantized attention (a server refuses that route where it
+# computes wrong, as on MLX 0.32.4's CUDA backend). Writes under OUT_DIR; prints the tables and
+# each level's line.
 #
 #   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; ~9 minutes at 8b)
 #
@@ -19,9 +20,9 @@ ln -sfn "$model" "bench-work/model-$shape"           # step_anatomy's name for i
 ln -sfn "$model" "bench-work/model-$shape-tokvocab"  # benchmarks.serving's
 kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
 t0=$(date +%s)
-formats=auto,int8+fused,int4+fused
-[ "${MLX_ROUTE:-0}" = 1 ] && formats=auto,int8,int8+fused,int4+fused
-timeout 200 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
+formats=auto,int8+fused,int4+fused,int8+fused+w16
+[ "${MLX_ROUTE:-0}" = 1 ] && formats=auto,int8,int8+fused,int4+fused,int8+fused+w16
+timeout 240 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
   --formats "$formats" --traffic greedy --steps 15 > "$out/anatomy.txt" 2>&1
 grep '^|' "$out/anatomy.txt"
 variants=(--variant="--kv-format int8 --quantized-attention fused"

@@ -60,13 +60,15 @@ def layout_with_rows(
     extra_ids: int = 0,
     codec: Any = None,
     kernel: bool = False,
+    recent: int = 0,
 ) -> tuple[Any, int]:
     """A ``kv.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
     with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids).
     ``fused``: paged, attending through the tables (the model's attention must be routed:
     ``kv.attention.install``). ``codec``: the KV's format (``kv.codec.KVCodec``; None: the
     model's type; ``kernel``: a quantized codec's rows attend through
-    ``--quantized-attention fused``'s route, which the model's attention must be routed to)."""
+    ``--quantized-attention fused``'s route, which the model's attention must be routed to;
+    ``recent``: a quantized codec's residual window, routed the same way)."""
     from veloxquant_mlx.kv.paged import make_kv
 
     n_layers, start = len(layers), layers[0][0].shape[2]
@@ -75,7 +77,7 @@ def layout_with_rows(
     fused = layout == "fused"
     kv = make_kv(
         "paged" if fused else layout, n_layers, BLOCK, n_ids, fused=fused, codec=codec,
-        kernel=kernel,
+        kernel=kernel, recent=recent,
     )  # fmt: skip
     for r in range(rows):
         first = r * 2 * n_layers * blocks

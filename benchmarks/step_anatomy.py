@@ -12,7 +12,8 @@ writes them (MLX's own operations before its compiled functions fuse theirs: an 
 on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on every row.
 ``--formats auto,int8,int8+fused`` takes the same step apart over the quantized dense layout
 (``--kv-format``), whose attention reads codes through ``mx.quantized_matmul`` (mlx_lm's), or
-with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA). Each
+with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA); ``+wN``
+adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``. Each
 line also says whether row 0's greedy tokens over the steps are the first format's.
 """
 
@@ -53,12 +54,15 @@ def anatomy(
 
     _, layers, y = prefill(model, prompt)
     k0 = layers[0][0]
-    name, _, how = fmt.partition("+")
+    name, *hows = fmt.split("+")
     codec = parse(name, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
-    kernel = how == "fused"
-    if kernel:
+    kernel = "fused" in hows
+    recent = next((int(h[1:]) for h in hows if h.startswith("w")), 0)
+    if kernel or recent:
         attention.install(model)
-    kv, n_ids = layout_with_rows("dense", layers, rows, steps + 4, codec=codec, kernel=kernel)
+    kv, n_ids = layout_with_rows(
+        "dense", layers, rows, steps + 4, codec=codec, kernel=kernel, recent=recent
+    )
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
