@@ -37,8 +37,9 @@ from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
 # A quantized attention's output against the dequantized attention at start: the largest
 # difference as a fraction of the largest output. mlx_lm's on a CPU in bfloat16 (its scores in
 # the model's type) is within 3% (float16 0.4%, float32 0); a wrong one is off by its whole size
-# (MLX 0.32.4's CUDA route: 1.2-1.4x; BENCHMARKS.md)
-ROUTE_TOLERANCE = 0.1
+# (MLX 0.32.4's CUDA route: 1.2-1.4x; BENCHMARKS.md). A quarter leaves another backend's
+# rounding room and still catches a route that reads the wrong codes.
+ROUTE_TOLERANCE = 0.25
 # The capacity shrinks when the batch's width needs this many positions fewer (hysteresis: a
 # shrink copies the working set).
 SHRINK_SLACK = 4 * READ_CHUNK
