@@ -16,6 +16,7 @@ import numpy as np
 _TYPES = {np.float32: "float", np.uint32: "uint32_t", np.int32: "int32_t"}
 
 _PRELUDE = r"""
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstddef>
@@ -25,6 +26,7 @@ _PRELUDE = r"""
 #include <thread>
 #include <vector>
 #define __shared__ static
+using std::min;
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
 static float exchange[1024];
@@ -60,14 +62,14 @@ def emulate(
     source: str,
     inputs: dict[str, np.ndarray],
     template: dict[str, int],
-    out_size: int,
+    outputs: dict[str, int],
     grid: tuple[int, int],
     threads: int,
     work: Path,
-) -> np.ndarray:
+) -> dict[str, np.ndarray]:
     """``source``'s kernel over ``inputs`` (in ``cuda_kernel``'s order; float32, uint32 or
     int32), ``T`` as float and ``template``'s integers as constants, one block of ``threads``
-    per ``(y, z)`` of ``grid``; returns the float32 output ``out`` (``out_size`` values)."""
+    per ``(y, z)`` of ``grid``; returns its float32 ``outputs`` (name: values)."""
     params, args, loads = [], [], []
     for name, array in inputs.items():
         ctype = _TYPES[array.dtype.type]
@@ -85,10 +87,11 @@ def emulate(
         _PRELUDE
         + "using T = float;\n"
         + constants
-        + f"void kernel({', '.join(params)}, float* out) {{\n{source}\n}}\n"
+        + f"void kernel({', '.join(params + [f'float* {n}' for n in outputs])}) {{\n{source}\n}}\n"
         + "int main() {\n"
         + "\n".join(loads)
-        + f"\nstd::vector<float> out({out_size}, 0.f);\n"
+        + "".join(f"\nstd::vector<float> {n}({size}, 0.f);" for n, size in outputs.items())
+        + "\n"
         + f"for (int w = 0; w < {threads // 32}; ++w) "
         + "warp_barrier.emplace_back(new std::barrier<>(32));\n"
         + f"block_barrier.reset(new std::barrier<>({threads}));\n"
@@ -96,10 +99,14 @@ def emulate(
         + "  std::vector<std::thread> ts;\n"
         + f"  for (int t = 0; t < {threads}; ++t) ts.emplace_back([&, t] {{\n"
         + "    threadIdx = {t, 0, 0}; blockIdx = {0, y, z};\n"
-        + f"    kernel({', '.join(args)}, out.data()); }});\n"
+        + f"    kernel({', '.join(args + [f'{n}.data()' for n in outputs])}); }});\n"
         + "  for (auto& th : ts) th.join();\n}\n"
-        + f'FILE* f = std::fopen("{work}/out.bin", "wb");\n'
-        + "std::fwrite(out.data(), 4, out.size(), f); std::fclose(f);\n}\n"
+        + "".join(
+            f'{{ FILE* f = std::fopen("{work}/{n}.out", "wb"); '
+            f"std::fwrite({n}.data(), 4, {n}.size(), f); std::fclose(f); }}\n"
+            for n in outputs
+        )
+        + "}\n"
     )
     (work / "kernel.cpp").write_text(program)
     cxx = compiler()
@@ -107,4 +114,4 @@ def emulate(
     build = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "kernel.cpp", "-o", "kernel"]
     subprocess.run(build, cwd=work, check=True, capture_output=True, timeout=300)
     subprocess.run([str(work / "kernel")], cwd=work, check=True, timeout=300)
-    return np.fromfile(work / "out.bin", dtype=np.float32)
+    return {n: np.fromfile(work / f"{n}.out", dtype=np.float32) for n in outputs}

@@ -20,16 +20,19 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler here
 
 
 @pytest.mark.parametrize(
-    ("bits", "dim", "n_kv", "per_kv", "lengths", "recent"),
+    ("bits", "dim", "n_kv", "per_kv", "lengths", "recent", "splits"),
     [
-        (8, 128, 2, 4, [9, 300], 0),
-        (4, 64, 2, 2, [5, 131, 40], 0),
-        (8, 128, 2, 4, [9, 300], 16),
-        (4, 64, 2, 2, [5, 131, 40], 32),  # a window longer than a row
+        (8, 128, 2, 4, [9, 300], 0, 1),
+        (4, 64, 2, 2, [5, 131, 40], 0, 1),
+        (8, 128, 2, 4, [9, 300], 16, 1),
+        (4, 64, 2, 2, [5, 131, 40], 32, 1),  # a window longer than a row
+        (8, 128, 2, 4, [9, 300], 0, 2),  # split over positions
+        (4, 64, 2, 2, [5, 131, 40], 0, 4),  # a row of 5 in 4 splits: one empty
+        (8, 64, 1, 4, [3, 77], 16, 4),  # split, with a window
     ],
 )
 def test_the_kernel_computes_what_the_mlx_ops_do(
-    tmp_path, bits, dim, n_kv, per_kv, lengths, recent
+    tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits
 ):
     codec = kv_codec.parse(f"int{bits}", "float32", dim, None)
     kv = QuantizedDenseKV(1, codec, recent=recent)
@@ -57,17 +60,42 @@ def test_the_kernel_computes_what_the_mlx_ops_do(
     template = {"D": dim, "HKV": n_kv, "G": per_kv, "BITS": bits, "GS": codec.group_size}
     if recent:
         template["RECENT"] = recent
+    if splits > 1:
+        template["SPLITS"] = splits
     template["WARPS"] = quantized_attention.WARPS
-    source = quantized_attention._WINDOW_SOURCE if recent else quantized_attention._SOURCE
-    got = emulate(
+    source = {
+        (False, False): quantized_attention._SOURCE,
+        (True, False): quantized_attention._WINDOW_SOURCE,
+        (False, True): quantized_attention._SPLIT_SOURCE,
+        (True, True): quantized_attention._SPLIT_WINDOW_SOURCE,
+    }[(bool(recent), splits > 1)]
+    rows, n_q = len(lengths), n_kv * per_kv
+    if splits == 1:
+        outputs = {"out": int(np.prod(want.shape))}
+    else:
+        outputs = {"acc_out": rows * n_q * splits * dim, "top_out": rows * n_q * splits}
+        outputs["total_out"] = rows * n_q * splits
+    result = emulate(
         source,
         inputs,
         template,
-        int(np.prod(want.shape)),
-        (n_kv, len(lengths)),
+        outputs,
+        (n_kv, rows * splits),
         quantized_attention.WARPS * 32,
         tmp_path,
-    ).reshape(want.shape)
+    )
+    if splits == 1:
+        got = result["out"].reshape(want.shape)
+    else:
+        got = np.array(
+            quantized_attention.combine_partials(
+                mx.array(result["top_out"]).reshape(rows, n_q, splits),
+                mx.array(result["total_out"]).reshape(rows, n_q, splits),
+                mx.array(result["acc_out"]).reshape(rows, n_q, splits * dim),
+                dim,
+                mx.float32,
+            )
+        )
     assert np.abs(got - np.array(want)).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
 
 
@@ -106,9 +134,9 @@ def test_the_paged_kernel_computes_what_its_reference_does(tmp_path, dim, n_kv, 
         paged_attention._SOURCE,
         inputs,
         template,
-        int(np.prod(want.shape)),
+        {"out": int(np.prod(want.shape))},
         (n_kv, rows),
         paged_attention.WARPS * 32,
         tmp_path,
-    ).reshape(want.shape)
+    )["out"].reshape(want.shape)
     assert np.abs(got - np.array(want)).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))

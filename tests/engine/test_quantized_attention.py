@@ -60,7 +60,7 @@ def test_the_start_check_holds_the_kernel_to_the_dequantized_attention(monkeypat
     check_kernels(codec, 8, 2, 64, kernel=True)  # the route in MLX ops passes
     monkeypatch.setattr(quantized_attention, "kernel_runs", lambda *a: True)
 
-    def wrong(self, queries, keys, values, lens, scale, bits, group):
+    def wrong(self, queries, keys, values, lens, scale, bits, group, **kwargs):
         flipped = tuple(p[::-1] for p in values)
         return quantized_attention.reference(queries, keys, flipped, lens, scale, bits, group)
 
@@ -166,3 +166,14 @@ def test_the_start_check_holds_a_residual_window_to_its_dequantized_attention(mo
     with pytest.raises(ValueError, match="use --kv-recent-tokens 0") as info:
         check_kernels(codec, 32, 8, 128, 16)
     assert "\n" not in str(info.value) and "with a residual window" in str(info.value)
+
+
+def test_a_row_is_split_over_positions_only_where_blocks_are_few_and_rows_long():
+    splits_for = quantized_attention.splits_for
+    assert splits_for(128 * 8, 30_000) == 1  # 128 rows x 8 KV heads fill the device
+    assert splits_for(4 * 8, 400) == 1  # short rows
+    assert splits_for(4 * 8, 6_000) == 8  # 256 blocks, 750 positions each
+    assert splits_for(1, 1_000_000) == quantized_attention.MAX_SPLITS
+    for blocks, width in ((1, 2_048), (8, 30_000), (32, 1_100)):
+        n = splits_for(blocks, width)
+        assert n & (n - 1) == 0 and width // n >= quantized_attention.MIN_SPLIT_POSITIONS

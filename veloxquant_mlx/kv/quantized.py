@@ -194,16 +194,16 @@ class QuantizedDenseKV(DenseKV):
             return self._attend_codes(layer, queries, scale)
         if self._kernel_here(queries):
             assert self._kernel is not None and self._lens is not None
-            return self._kernel.window(
+            return self._kernel(
                 queries.astype(self.codec.dtype),
                 self.qk[layer],
                 self.qv[layer],
-                self.rk[layer],
-                self.rv[layer],
                 self._lens,
                 scale,
                 self.codec.bits or 8,
                 self.codec.group_size,
+                ring=(self.rk[layer], self.rv[layer]),
+                width=batch.width,
             )
         rows, n_heads, _, dim = queries.shape
         n_kv = self.rk[layer].shape[1]
@@ -277,7 +277,8 @@ class QuantizedDenseKV(DenseKV):
             queries = queries.astype(self.codec.dtype)
         args = (queries, self.qk[layer], self.qv[layer], self._lens, scale, bits, group)
         if self._kernel_here(queries):
-            return self._kernel(*args)
+            assert self._batch is not None
+            return self._kernel(*args, width=self._batch.width)
         return quantized_attention.reference(*args)
 
     def encode_span(self, x: mx.array) -> Stored:
@@ -347,15 +348,16 @@ def check_kernels(
     codec: KVCodec, n_heads: int, n_kv_heads: int, head_dim: int, recent: int = 0,
     kernel: bool = False,
 ) -> None:  # fmt: skip
-    """Run a decode step's quantized attention through this layout once for this geometry:
-    one row (a step without a mask) and two rows at different lengths (masked), read as the
-    engine's steps read them, by the route the server will take (``kernel``: ``--quantized-
-    attention fused``). A backend may lack a kernel for some operands (MLX 0.32's CUDA
-    ``quantized_matmul`` refused a row's first positions of a longer buffer) or compute a wrong
-    one (the same backend's quantized attention was off by more than its own size:
-    BENCHMARKS.md), and a format that cannot run right must be refused at start, not serve
-    wrong tokens: without a window, the step's output must agree with the same attention over
-    the dequantized codes (``kv.quantized_attention.dequantized``) within ``ROUTE_TOLERANCE``.
+    """Run a decode step's quantized attention through this layout once for this geometry: one
+    row (a step without a mask) and two rows at different lengths (masked; the longer pair split
+    over positions where the kernel runs), read as the engine's steps read them, by the route
+    the server will take (``kernel``: ``--quantized-attention fused``). A backend may lack a
+    kernel for some operands (MLX 0.32's CUDA ``quantized_matmul`` refused a row's first
+    positions of a longer buffer) or compute a wrong one (the same backend's quantized attention
+    was off by more than its own size: BENCHMARKS.md), and a format that cannot run right must
+    be refused at start, not serve wrong tokens: without a window, the step's output must agree
+    with the same attention over the dequantized codes (``kv.quantized_attention.dequantized``)
+    within ``ROUTE_TOLERANCE`` (a window's: the dequantized codes and the ring).
 
     Raises:
         ValueError: One line naming the format, the shape and what to try.
@@ -365,7 +367,7 @@ def check_kernels(
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     bits, group, scale = codec.bits or 8, codec.group_size, head_dim**-0.5
-    for lengths in ([9], [9, 300]):
+    for lengths in ([9], [9, 300], [9, 1100]):  # the last split over positions on CUDA
         kv = QuantizedDenseKV(1, codec, recent=recent, kernel=kernel)
         rows = len(lengths)
         try:

@@ -19,7 +19,10 @@ every backend and is what the CPU tests run; the kernel runs only on CUDA, where
 check (``kv.quantized.check_kernels``) compares it with the dequantized attention and
 ``benchmarks.step_anatomy`` measures it (its source also runs on a CPU through the tests'
 emulation, ``tests/engine/cuda_emulation.py``). With a residual window (``--kv-recent-tokens``)
-a second kernel reads each row's newest positions from its ring instead of its codes.
+a second kernel reads each row's newest positions from its ring instead of its codes. With
+few rows over long contexts (an agent's few sessions) a block per row and KV head would leave
+most of the device idle, so a row's positions are split over up to ``MAX_SPLITS`` blocks
+(``splits_for``), each writing an unnormalised partial that ``combine_partials`` joins.
 """
 
 from __future__ import annotations
@@ -178,6 +181,69 @@ _WINDOW_LOAD = """        float kx[E], vx[E];
 assert _SOURCE.count(_CODES_LOAD) == 1
 _WINDOW_SOURCE = _SOURCE.replace(_CODES_LOAD, _WINDOW_LOAD)
 
+# Split over positions (flash-decoding): with few rows a block per (row, KV head) leaves most of
+# the device idle over a long context, so ``SPLITS`` blocks share a row's positions, each writes
+# its unnormalised partial (max score, sum of weights, weighted V) in float32, and
+# ``combine_partials`` joins them in MLX ops.
+_SPLIT_EDITS = (
+    ("    const int r = blockIdx.z;\n",
+     "    const int r = blockIdx.z / SPLITS;\n    const int part = blockIdx.z % SPLITS;\n"),
+    ("    for (int t = w; t < len; t += WARPS) {\n",
+     "    const int span = (len + SPLITS - 1) / SPLITS;\n"
+     "    const int lo = part * span;\n"
+     "    const int hi = min(len, lo + span);\n"
+     "    for (int t = lo + w; t < hi; t += WARPS) {\n"),
+    ("        vqq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);\n",
+     "        const size_t at = ((size_t)r * (HKV * G) + h * G + g) * SPLITS + part;\n"
+     "        acc_out[at * D + d] = sum;\n"
+     "        if (d == 0) {\n"
+     "            top_out[at] = top;\n"
+     "            total_out[at] = total;\n"
+     "        }\n"),
+)  # fmt: skip
+
+
+def _split(source: str) -> str:
+    for old, new in _SPLIT_EDITS:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    return source
+
+
+_SPLIT_SOURCE = _split(_SOURCE)
+_SPLIT_WINDOW_SOURCE = _split(_WINDOW_SOURCE)
+# ``splits_for``: split until the blocks reach this many (about two per SM of an H100 / H200) ...
+TARGET_BLOCKS = 256
+# ... while each split keeps at least this many positions, and never into more than MAX_SPLITS
+MIN_SPLIT_POSITIONS = 512
+MAX_SPLITS = 32
+
+
+def splits_for(blocks: int, width: int) -> int:
+    """Blocks a row's positions are split over, a power of two: 1 where ``blocks`` (rows x KV
+    heads) fill the device already or the rows are short."""
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and blocks * splits < TARGET_BLOCKS
+        and width // (2 * splits) >= MIN_SPLIT_POSITIONS
+    ):
+        splits *= 2
+    return splits
+
+
+def combine_partials(
+    top: mx.array, total: mx.array, acc: mx.array, dim: int, dtype: mx.Dtype
+) -> mx.array:
+    """The split kernel's partials (``top``/``total [rows, HQ, splits]``, ``acc [rows, HQ,
+    splits, D]``, float32; an empty split has top -1e30 and total 0) joined into the attention's
+    output ``[rows, HQ, 1, D]`` in ``dtype``."""
+    rows, n_q, splits = top.shape
+    acc = acc.reshape(rows, n_q, splits, dim)
+    weight = mx.exp(top - top.max(axis=-1, keepdims=True))
+    out = (acc * weight[..., None]).sum(axis=-2) / (total * weight).sum(axis=-1, keepdims=True)
+    return out.reshape(rows, n_q, 1, dim).astype(dtype)
+
 
 def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
     """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
@@ -198,9 +264,29 @@ class QuantizedAttention:
     made at first use; one per ``QuantizedDenseKV``. Engine thread only."""
 
     def __init__(self) -> None:
-        self._kernel: Any = None
-        self._window_kernel: Any = None
+        self._kernels: dict[tuple[bool, bool], Any] = {}  # (window, split) -> kernel
         self._scales: dict[float, mx.array] = {}
+
+    def _kernel(self, window: bool, split: bool) -> Any:
+        got = self._kernels.get((window, split))
+        if got is None:
+            source = {
+                (False, False): _SOURCE,
+                (True, False): _WINDOW_SOURCE,
+                (False, True): _SPLIT_SOURCE,
+                (True, True): _SPLIT_WINDOW_SOURCE,
+            }[(window, split)]
+            ring = ["rk", "rv"] if window else []
+            got = self._kernels[(window, split)] = mx.fast.cuda_kernel(
+                name="vq_quantized_decode"
+                + ("_window" if window else "")
+                + ("_split" if split else ""),
+                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", *ring, "lens", "scale"],
+                output_names=["acc_out", "top_out", "total_out"] if split else ["out"],
+                source=source,
+                header=_HEADER,
+            )
+        return got
 
     def _scale(self, scale: float) -> mx.array:
         constant = self._scales.get(scale)
@@ -217,85 +303,56 @@ class QuantizedAttention:
         scale: float,
         bits: int,
         group_size: int,
+        ring: tuple[mx.array, mx.array] | None = None,
+        width: int = 0,
+        splits: int | None = None,
     ) -> mx.array:
         """One new token per row over each row's first ``lens`` positions: ``queries [rows,
         HQ, 1, D]``; ``keys``/``values`` the layer's working set as stored, ``(codes, scales,
         biases)`` of ``[R, HKV, capacity, D * bits / 32]`` (uint32) and ``[R, HKV, capacity,
         D / group_size]`` with ``R >= rows`` (the new token in place); ``lens [rows]`` int32.
-        Returns ``[rows, HQ, 1, D]`` in the queries' dtype. CUDA only (``kernel_runs``);
-        lazy, like any MLX op."""
+        With ``ring`` (a residual window: ``[R, HKV, recent, D]`` each, position ``p`` in slot
+        ``p % recent``, the queries' dtype) each row's newest ``recent`` positions are read from
+        it instead of the codes, one softmax over both (what ``kv.quantized.QuantizedDenseKV
+        .attend`` computes in MLX ops). ``width``: the longest row's length, which with the rows
+        decides the split over positions (``splits_for``; ``splits`` overrides it). Returns
+        ``[rows, HQ, 1, D]`` in the queries' dtype. CUDA only (``kernel_runs``); lazy, like any
+        MLX op."""
         rows, n_q, _, dim = queries.shape
         n_kv = keys[0].shape[1]
-        if self._kernel is None:
-            self._kernel = mx.fast.cuda_kernel(
-                name="vq_quantized_decode",
-                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "lens", "scale"],
-                output_names=["out"],
-                source=_SOURCE,
-                header=_HEADER,
+        if splits is None:
+            splits = splits_for(rows * n_kv, width)
+        template: list[tuple[str, Any]] = [
+            ("T", queries.dtype),
+            ("D", dim),
+            ("HKV", n_kv),
+            ("G", n_q // n_kv),
+            ("BITS", bits),
+            ("GS", group_size),
+        ]
+        if ring is not None:
+            template.append(("RECENT", ring[0].shape[2]))
+        if splits > 1:
+            template.append(("SPLITS", splits))
+        template.append(("WARPS", WARPS))
+        kernel = self._kernel(ring is not None, splits > 1)
+        common = {
+            "inputs": [queries, *keys, *values, *(ring or ()), lens, self._scale(scale)],
+            "template": template,
+            "grid": (WARPS * 32, n_kv, rows * splits),
+            "threadgroup": (WARPS * 32, 1, 1),
+        }
+        if splits == 1:
+            (out,) = kernel(
+                **common, output_shapes=[(rows, n_q, 1, dim)], output_dtypes=[queries.dtype]
             )
-        (out,) = self._kernel(
-            inputs=[queries, *keys, *values, lens, self._scale(scale)],
-            template=[
-                ("T", queries.dtype),
-                ("D", dim),
-                ("HKV", n_kv),
-                ("G", n_q // n_kv),
-                ("BITS", bits),
-                ("GS", group_size),
-                ("WARPS", WARPS),
-            ],
-            grid=(WARPS * 32, n_kv, rows),
-            threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(rows, n_q, 1, dim)],
-            output_dtypes=[queries.dtype],
+            return out
+        acc, top, total = kernel(
+            **common,
+            output_shapes=[(rows, n_q, splits * dim), (rows, n_q, splits), (rows, n_q, splits)],
+            output_dtypes=[mx.float32] * 3,
         )
-        return out
-
-    def window(
-        self,
-        queries: mx.array,
-        keys: tuple[mx.array, ...],
-        values: tuple[mx.array, ...],
-        ring_k: mx.array,
-        ring_v: mx.array,
-        lens: mx.array,
-        scale: float,
-        bits: int,
-        group_size: int,
-    ) -> mx.array:
-        """``__call__`` with a residual window: each row's newest ``recent`` positions read from
-        its ring (``ring_k``/``ring_v [R, HKV, recent, D]``, position ``p`` in slot ``p %
-        recent``, the queries' dtype), the rest from the codes, one softmax (what
-        ``kv.quantized.QuantizedDenseKV.attend`` computes in MLX ops). CUDA only; lazy."""
-        rows, n_q, _, dim = queries.shape
-        n_kv, recent = keys[0].shape[1], ring_k.shape[2]
-        if self._window_kernel is None:
-            self._window_kernel = mx.fast.cuda_kernel(
-                name="vq_quantized_window_decode",
-                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "rk", "rv", "lens", "scale"],
-                output_names=["out"],
-                source=_WINDOW_SOURCE,
-                header=_HEADER,
-            )
-        (out,) = self._window_kernel(
-            inputs=[queries, *keys, *values, ring_k, ring_v, lens, self._scale(scale)],
-            template=[
-                ("T", queries.dtype),
-                ("D", dim),
-                ("HKV", n_kv),
-                ("G", n_q // n_kv),
-                ("BITS", bits),
-                ("GS", group_size),
-                ("RECENT", recent),
-                ("WARPS", WARPS),
-            ],
-            grid=(WARPS * 32, n_kv, rows),
-            threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(rows, n_q, 1, dim)],
-            output_dtypes=[queries.dtype],
-        )
-        return out
+        return combine_partials(top, total, acc, dim, queries.dtype)
 
 
 def reference(
