@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Quantized KV on a GPU in one device call: the decode step taken apart per format and route
-# (int8 and int4 fused, int8 fused with a 16-token window; row 0's tokens against bf16's), then
+# (int8 and int4 fused, int8 fused with a 16-token window; row 0's tokens against bf16's; and 4
+# rows of 6,000 tokens, where the kernel splits each row over several blocks), then
 # serving at 32 and 128 clients, bf16 against fused int8 and fused int4, then a budget that
 # holds about half of 128 clients' contexts in bf16. With MLX_ROUTE=1 the step benchmark also
 # takes int8 through mlx_lm's quantized attention (a server refuses that route where it
 # computes wrong, as on MLX 0.32.4's CUDA backend). Writes under OUT_DIR; prints the tables and
 # each level's line.
 #
-#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; ~9 minutes at 8b)
+#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; ~10 minutes at 8b)
 #
 # On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
 # .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
@@ -25,6 +26,10 @@ formats=auto,int8+fused,int4+fused,int8+fused+w16
 timeout 240 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
   --formats "$formats" --traffic greedy --steps 15 > "$out/anatomy.txt" 2>&1
 grep '^|' "$out/anatomy.txt"
+# few rows over a long context (an agent's): the kernel splits each row's positions
+timeout 150 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 4 --context 6000 \
+  --formats auto,int8+fused,int4+fused --traffic greedy --steps 10 > "$out/anatomy-long.txt" 2>&1
+grep '^|' "$out/anatomy-long.txt"
 variants=(--variant="--kv-format int8 --quantized-attention fused"
           --variant="--kv-format int4 --quantized-attention fused")
 timeout 330 python3 -m benchmarks.serving --shape "$shape" --concurrency 32,128 --per-client 3 \
