@@ -8,7 +8,7 @@
 # computes wrong, as on MLX 0.32.4's CUDA backend). Writes under OUT_DIR; prints the tables and
 # each level's line.
 #
-#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; ~10 minutes at 8b)
+#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; at most ~10 minutes: the budget run only if time is left)
 #
 # On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
 # .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
@@ -28,16 +28,17 @@ timeout 240 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
 grep '^|' "$out/anatomy.txt"
 # few rows over a long context (an agent's): the kernel splits each row's positions
 timeout 150 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 4 --context 6000 \
-  --formats auto,int8+fused,int4+fused --traffic greedy --steps 10 > "$out/anatomy-long.txt" 2>&1
+  --formats auto,int8+fused,int4+fused --traffic greedy --steps 6 > "$out/anatomy-long.txt" 2>&1
 grep '^|' "$out/anatomy-long.txt"
 variants=(--variant="--kv-format int8 --quantized-attention fused"
           --variant="--kv-format int4 --quantized-attention fused")
-timeout 330 python3 -m benchmarks.serving --shape "$shape" --concurrency 32,128 --per-client 3 \
+left=$(( 560 - ($(date +%s) - t0) ))
+timeout "$left" python3 -m benchmarks.serving --shape "$shape" --concurrency 32,128 --per-client 3 \
   --tokenizer-vocab --layouts dense --peers none --kv-cache-mb "$kv" --peak-gbs 4800 \
   "${variants[@]}" --out "$out/serving" > "$out/serving.txt" 2>&1
 grep -E "^ours|c=[0-9]+:" "$out/serving.txt" | cut -c1-140
 left=$(( 570 - ($(date +%s) - t0) ))
-if [ "$left" -gt 120 ]; then
+if [ "$left" -gt 150 ]; then
   timeout "$left" python3 -m benchmarks.serving --shape "$shape" --concurrency 128 \
     --per-client 3 --tokenizer-vocab --layouts dense --peers none \
     --kv-cache-mb $(( kv * 3300 / 16384 )) --peak-gbs 4800 \
