@@ -8,7 +8,8 @@
 # computes wrong, as on MLX 0.32.4's CUDA backend). Writes under OUT_DIR; prints the tables and
 # each level's line.
 #
-#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; at most ~10 minutes: the budget run only if time is left)
+#   benchmarks/gpu_kv_formats.sh OUT_DIR [SHAPE]    (default 8b; under 10 minutes: the budget
+#                                                   run only if time is left)
 #
 # On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
 # .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
