@@ -191,7 +191,7 @@ _SPLIT_EDITS = (
     ("    for (int t = w; t < len; t += WARPS) {\n",
      "    const int span = (len + SPLITS - 1) / SPLITS;\n"
      "    const int lo = part * span;\n"
-     "    const int hi = min(len, lo + span);\n"
+     "    const int hi = lo + span < len ? lo + span : len;\n"
      "    for (int t = lo + w; t < hi; t += WARPS) {\n"),
     ("        vqq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);\n",
      "        const size_t at = ((size_t)r * (HKV * G) + h * G + g) * SPLITS + part;\n"
