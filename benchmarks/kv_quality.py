@@ -3,14 +3,19 @@
     python -m benchmarks.kv_quality --models tiny,medium --contexts 1024,8192
 
 For each model, context length and format, one token sequence of that length is run twice in
-chunks of ``--chunk`` tokens: with full-precision caches (mlx_lm's ``KVCache``) and with
-mlx_lm's ``QuantizedKVCache`` of the format (MLX's group-wise affine quantization, the codec
-``--kv-format`` serves with). Every position attends over quantized keys and values, its own
-included: what a served decode step does for every generated token (a served prompt's own
-prefill attends in full precision, so this is the harder case). At every position it compares
-the two next-token distributions: KL(full || quantized) in nats, mean, max and the mean over
-the last quarter of the context (the deepest positions), and how often the two argmaxes agree.
-Both runs see the same tokens (teacher-forced), so one early near-tie does not decide the rest.
+chunks of ``--chunk`` tokens: with full-precision caches (mlx_lm's ``KVCache``) and with the
+keys and values quantized and dequantized in the format (MLX's group-wise affine quantization,
+the codec ``--kv-format`` serves with; ``WindowCache``), attended in full-precision arithmetic:
+the same numbers as attending over the codes (on a CPU equal to mlx_lm's ``QuantizedKVCache`` to
+the last digit printed, in float32), on any backend (MLX 0.32.4's CUDA quantized attention
+computes wrong outputs: DESIGN-NOTES.md). Every position attends over quantized keys and values,
+its own included: what a served decode step does for every generated token (a served prompt's
+own prefill attends in full precision, so this is the harder case). At every position it
+compares the two next-token distributions: KL(full || quantized) in nats, mean, max and the mean
+over the last quarter of the context (the deepest positions), and how often the two argmaxes
+agree. Both runs see the same tokens (teacher-forced), so one early near-tie does not decide the
+rest.
+
 With ``--recent N`` (``--kv-recent-tokens``) each position sees its newest N tokens in full
 precision and the older ones quantized and dequantized (``WindowCache``: the same mixture the
 served window attends over, in full-precision arithmetic; tests/engine/test_kv_format.py checks
@@ -30,7 +35,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
 from benchmarks.models import CONFIGS
 
@@ -54,7 +59,8 @@ def build(name: str, dtype: str) -> Any:
 class WindowCache:
     """A chunk's view of a residual window: every key twice, quantized-and-dequantized and in
     full precision, and a mask that gives each query the quantized copy of keys older than
-    its newest ``recent`` and the full-precision copy of those."""
+    its newest ``recent`` and the full-precision copy of those (``recent`` 0: the quantized
+    copy alone, causal)."""
 
     def __init__(self, bits: int, group: int, recent: int) -> None:
         # (not ``bits``: mlx_lm's attention would take the cache for a quantized one)
@@ -71,6 +77,8 @@ class WindowCache:
         self.k = k if self.k is None else mx.concatenate([self.k, k], axis=2)
         self.v = v if self.v is None else mx.concatenate([self.v, v], axis=2)
         self.offset = self.k.shape[2]
+        if not self.recent:
+            return self._dq(self.k), self._dq(self.v)
         keys = mx.concatenate([self._dq(self.k), self.k], axis=2)
         values = mx.concatenate([self._dq(self.v), self.v], axis=2)
         return keys, values
@@ -83,6 +91,8 @@ class WindowCache:
         total = self.offset + n  # called before update_and_fetch
         t = mx.arange(total - n, total)[:, None]
         j = mx.arange(total)[None, :]
+        if not self.recent:
+            return j <= t
         old = j <= t - self.recent
         new = (j > t - self.recent) & (j <= t)
         return mx.concatenate([old, new], axis=1)
@@ -95,10 +105,7 @@ def compare(
     tokens in full precision) against full precision."""
     n_layers = len(model.layers)
     full = [KVCache() for _ in range(n_layers)]
-    quant: list[Any] = [
-        WindowCache(bits, group, recent) if recent else QuantizedKVCache(group, bits)
-        for _ in range(n_layers)
-    ]
+    quant = [WindowCache(bits, group, recent) for _ in range(n_layers)]
     kls: list[mx.array] = []
     agree: list[mx.array] = []
     for start in range(0, len(tokens), chunk):
