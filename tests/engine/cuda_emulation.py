@@ -43,8 +43,6 @@ static float __shfl_xor_sync(unsigned, float v, int o) {
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline float vq_float(float x) { return x; }
 inline void vq_store(float* p, float v) { *p = v; }
-inline float vqq_float(float x) { return x; }
-inline void vqq_store(float* p, float v) { *p = v; }
 template <class X> std::vector<X> load(const char* name) {
   std::vector<X> v; X x; FILE* f = std::fopen(name, "rb");
   while (std::fread(&x, sizeof(X), 1, f) == 1) v.push_back(x);

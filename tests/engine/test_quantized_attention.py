@@ -11,6 +11,7 @@ import pytest
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv import quantized_attention
+from veloxquant_mlx.kv.attention import cuda_available
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV, check_kernels
 
 
@@ -46,7 +47,7 @@ def test_the_route_in_mlx_ops_is_the_dequantized_attention(bits, group, per_kv):
 
 
 def test_the_kernel_runs_only_on_cuda_and_for_shapes_it_holds():
-    on_cuda = quantized_attention.cuda_available() and mx.default_device() == mx.gpu
+    on_cuda = cuda_available() and mx.default_device() == mx.gpu
     assert quantized_attention.kernel_runs(128, 4, 64) == on_cuda
     for dim, per_kv, group in ((48, 4, 64), (128, 64, 64), (256, 1, 4)):
         assert not quantized_attention.kernel_runs(dim, per_kv, group)
@@ -102,7 +103,7 @@ def test_auto_takes_the_kernel_where_it_runs(monkeypatch):
     bf16 = kv_codec.parse("auto", "bfloat16", 128, None)
     one = Formats(codecs={"int8": int8}, block=int8)
     none = Formats(codecs={"bfloat16": bf16}, block=bf16)
-    on_cuda = quantized_attention.cuda_available() and mx.default_device() == mx.gpu
+    on_cuda = cuda_available() and mx.default_device() == mx.gpu
     assert quantized_kernel("auto", one, 128, 4) == on_cuda
     assert quantized_kernel("fused", one, 128, 4) and not quantized_kernel("mlx", one, 128, 4)
     assert not quantized_kernel("auto", none, 128, 4)

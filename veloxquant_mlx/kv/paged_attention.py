@@ -41,19 +41,10 @@ __device__ inline void vq_store(__half* p, float v) { *p = __float2half(v); }
 __device__ inline void vq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 """
 
-_SOURCE = """
-    constexpr int E = D / 32;
-    const int lane = threadIdx.x & 31;
-    const int w = threadIdx.x >> 5;
-    const int h = blockIdx.y;
-    const int r = blockIdx.z;
-    const int rows = lens_shape[0];
-    const int nb = tabs_shape[2];
-    const int len = lens[r];
-    const float sc = scale[0];
-    const int* ktab = tabs + ((size_t)(2 * layer[0]) * rows + r) * nb;
-    const int* vtab = tabs + ((size_t)(2 * layer[0] + 1) * rows + r) * nb;
-    float qv[G][E];
+# The pieces ``kv.quantized_attention``'s kernels share: each query head's state (its query,
+# running max, weight sum and weighted V), one position's online-softmax step, and the warps'
+# partials combined through shared memory into ``out``.
+_STATE = """    float qv[G][E];
     float m[G], l[G], acc[G][E];
     for (int g = 0; g < G; ++g) {
         const T* qp = q + ((size_t)r * (HKV * G) + h * G + g) * D + lane * E;
@@ -64,24 +55,8 @@ _SOURCE = """
         m[g] = -1e30f;
         l[g] = 0.0f;
     }
-    for (int t = w; t < len; t += WARPS) {
-        const T* kp;
-        const T* vp;
-        if (t == len - 1) {
-            kp = kn + ((size_t)r * HKV + h) * D;
-            vp = vn + ((size_t)r * HKV + h) * D;
-        } else {
-            const size_t kb = (size_t)ktab[t / BS];
-            const size_t vb = (size_t)vtab[t / BS];
-            kp = store + ((kb * HKV + h) * BS + t % BS) * D;
-            vp = store + ((vb * HKV + h) * BS + t % BS) * D;
-        }
-        float kx[E], vx[E];
-        for (int e = 0; e < E; ++e) {
-            kx[e] = vq_float(kp[lane * E + e]);
-            vx[e] = vq_float(vp[lane * E + e]);
-        }
-        for (int g = 0; g < G; ++g) {
+"""
+_STEP = """        for (int g = 0; g < G; ++g) {
             float s = 0.0f;
             for (int e = 0; e < E; ++e) {
                 s += qv[g][e] * kx[e];
@@ -98,8 +73,8 @@ _SOURCE = """
             }
             m[g] = mn;
         }
-    }
-    __shared__ float sm[WARPS][G];
+"""
+_COMBINE = """    __shared__ float sm[WARPS][G];
     __shared__ float sl[WARPS][G];
     __shared__ float sacc[WARPS][G][D];
     for (int g = 0; g < G; ++g) {
@@ -129,6 +104,43 @@ _SOURCE = """
         vq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);
     }
 """
+_SOURCE = (
+    """
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5;
+    const int h = blockIdx.y;
+    const int r = blockIdx.z;
+    const int rows = lens_shape[0];
+    const int nb = tabs_shape[2];
+    const int len = lens[r];
+    const float sc = scale[0];
+    const int* ktab = tabs + ((size_t)(2 * layer[0]) * rows + r) * nb;
+    const int* vtab = tabs + ((size_t)(2 * layer[0] + 1) * rows + r) * nb;
+"""
+    + _STATE
+    + """    for (int t = w; t < len; t += WARPS) {
+        const T* kp;
+        const T* vp;
+        if (t == len - 1) {
+            kp = kn + ((size_t)r * HKV + h) * D;
+            vp = vn + ((size_t)r * HKV + h) * D;
+        } else {
+            const size_t kb = (size_t)ktab[t / BS];
+            const size_t vb = (size_t)vtab[t / BS];
+            kp = store + ((kb * HKV + h) * BS + t % BS) * D;
+            vp = store + ((vb * HKV + h) * BS + t % BS) * D;
+        }
+        float kx[E], vx[E];
+        for (int e = 0; e < E; ++e) {
+            kx[e] = vq_float(kp[lane * E + e]);
+            vx[e] = vq_float(vp[lane * E + e]);
+        }
+"""
+    + _STEP
+    + "    }\n"
+    + _COMBINE
+)
 
 
 def kernel_runs(head_dim: int, group: int) -> bool:

@@ -233,17 +233,16 @@ class QuantizedDenseKV(DenseKV):
         no quantized product): the start check's yardstick for it."""
         batch = self._batch
         assert batch is not None
-        rows, n_heads, _, dim = queries.shape
-        n_kv = self.rk[layer].shape[1]
+        rows = queries.shape[0]
         bits, group = self.codec.bits or 8, self.codec.group_size
         kw, ks, kb = (p[:rows] for p in self.qk[layer])
         vw, vs, vb = (p[:rows] for p in self.qv[layer])
         keys = mx.concatenate(
             [mx.dequantize(kw, ks, kb, group_size=group, bits=bits), self.rk[layer][:rows]], 2
-        ).astype(mx.float32)
+        )
         values = mx.concatenate(
             [mx.dequantize(vw, vs, vb, group_size=group, bits=bits), self.rv[layer][:rows]], 2
-        ).astype(mx.float32)
+        )
         lengths = (batch.positions + 1)[:, None]
         seen = mx.concatenate(
             [
@@ -252,11 +251,7 @@ class QuantizedDenseKV(DenseKV):
             ],
             axis=1,
         )
-        q = queries.astype(mx.float32).reshape(rows, n_kv, n_heads // n_kv, dim) * scale
-        scores = q @ keys.swapaxes(-1, -2)
-        scores = mx.where(seen[:, None, None, :], scores, mx.array(-float("inf"), mx.float32))
-        out = mx.softmax(scores, axis=-1) @ values
-        return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
+        return quantized_attention.float_attention(queries, keys, values, seen, scale)
 
     def _kernel_here(self, queries: mx.array) -> bool:
         """Whether this layout's kernel runs here (``--quantized-attention fused`` on CUDA, a

@@ -27,27 +27,16 @@ most of the device idle, so a row's positions are split over up to ``MAX_SPLITS`
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.kv.attention import cuda_available
+from veloxquant_mlx.kv import paged_attention
+from veloxquant_mlx.kv.paged_attention import _COMBINE, _HEADER, _STATE, _STEP, WARPS
 
-WARPS = 8  # per thread block: 256 threads
-SHARED_BYTES = 40 * 1024  # the warps' partials, under CUDA's 48 KiB of static shared memory
-
-_HEADER = """
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-__device__ inline float vqq_float(float x) { return x; }
-__device__ inline float vqq_float(__half x) { return __half2float(x); }
-__device__ inline float vqq_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ inline void vqq_store(float* p, float v) { *p = v; }
-__device__ inline void vqq_store(__half* p, float v) { *p = __float2half(v); }
-__device__ inline void vqq_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-"""
-
-_SOURCE = """
+# The codes' layout and this lane's part of a vector; the kernel's block, row and KV head
+_HEAD = """
     constexpr int E = D / 32;           // values a lane holds of each vector
     constexpr int PER = 32 / BITS;      // values a code word holds
     constexpr int WPOS = D * BITS / 32; // code words a position holds
@@ -63,90 +52,19 @@ _SOURCE = """
     const size_t base = ((size_t)r * HKV + h) * (size_t)cap;  // the row's position 0
     const int i0 = lane * E;            // this lane's first value; all E in one group
     const int grp = i0 / GS;
-    float qv[G][E];
-    float m[G], l[G], acc[G][E];
-    for (int g = 0; g < G; ++g) {
-        const T* qp = q + ((size_t)r * (HKV * G) + h * G + g) * D + i0;
-        for (int e = 0; e < E; ++e) {
-            qv[g][e] = vqq_float(qp[e]) * sc;
-            acc[g][e] = 0.0f;
-        }
-        m[g] = -1e30f;
-        l[g] = 0.0f;
-    }
-    #pragma unroll 2
+"""
+_LOOP = """    #pragma unroll 2
     for (int t = w; t < len; t += WARPS) {
         const size_t pos = base + t;
-        const uint32_t* kp = kw + pos * WPOS;
-        const uint32_t* vp = vw + pos * WPOS;
-        const float ka = vqq_float(ks[pos * NG + grp]);
-        const float kc = vqq_float(kb[pos * NG + grp]);
-        const float va = vqq_float(vs[pos * NG + grp]);
-        const float vc = vqq_float(vb[pos * NG + grp]);
         float kx[E], vx[E];
-        for (int e = 0; e < E; ++e) {
-            const int i = i0 + e;
-            const int shift = (i % PER) * BITS;
-            kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
-            vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
-        }
-        for (int g = 0; g < G; ++g) {
-            float s = 0.0f;
-            for (int e = 0; e < E; ++e) {
-                s += qv[g][e] * kx[e];
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                s += __shfl_xor_sync(0xffffffff, s, o);
-            }
-            const float mn = fmaxf(m[g], s);
-            const float c = expf(m[g] - mn);
-            const float p = expf(s - mn);
-            l[g] = l[g] * c + p;
-            for (int e = 0; e < E; ++e) {
-                acc[g][e] = acc[g][e] * c + p * vx[e];
-            }
-            m[g] = mn;
-        }
-    }
-    __shared__ float sm[WARPS][G];
-    __shared__ float sl[WARPS][G];
-    __shared__ float sacc[WARPS][G][D];
-    for (int g = 0; g < G; ++g) {
-        if (lane == 0) {
-            sm[w][g] = m[g];
-            sl[w][g] = l[g];
-        }
-        for (int e = 0; e < E; ++e) {
-            sacc[w][g][i0 + e] = acc[g][e];
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-        const int g = i / D;
-        const int d = i % D;
-        float top = -1e30f;
-        for (int j = 0; j < WARPS; ++j) {
-            top = fmaxf(top, sm[j][g]);
-        }
-        float total = 0.0f;
-        float sum = 0.0f;
-        for (int j = 0; j < WARPS; ++j) {
-            const float f = expf(sm[j][g] - top);
-            total += sl[j][g] * f;
-            sum += sacc[j][g][d] * f;
-        }
-        vqq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);
-    }
 """
-
-# The step's loads of one position, from the codes...
+# One position's K and V, dequantized from the codes ...
 _CODES_LOAD = """        const uint32_t* kp = kw + pos * WPOS;
         const uint32_t* vp = vw + pos * WPOS;
-        const float ka = vqq_float(ks[pos * NG + grp]);
-        const float kc = vqq_float(kb[pos * NG + grp]);
-        const float va = vqq_float(vs[pos * NG + grp]);
-        const float vc = vqq_float(vb[pos * NG + grp]);
-        float kx[E], vx[E];
+        const float ka = vq_float(ks[pos * NG + grp]);
+        const float kc = vq_float(kb[pos * NG + grp]);
+        const float va = vq_float(vs[pos * NG + grp]);
+        const float vc = vq_float(vb[pos * NG + grp]);
         for (int e = 0; e < E; ++e) {
             const int i = i0 + e;
             const int shift = (i % PER) * BITS;
@@ -154,32 +72,28 @@ _CODES_LOAD = """        const uint32_t* kp = kw + pos * WPOS;
             vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
         }
 """
-# ... and, with a residual window, a row's newest RECENT positions from its ring instead
+# ... or, with a residual window, a row's newest RECENT positions from its ring instead
 # (position p in slot p % RECENT of ``rk``/``rv [R, HKV, RECENT, D]``, the model's type)
-_WINDOW_LOAD = """        float kx[E], vx[E];
-        if (t >= len - RECENT) {
+_WINDOW_LOAD = (
+    """        if (t >= len - RECENT) {
             const size_t slot = ((size_t)r * HKV + h) * RECENT + t % RECENT;
             for (int e = 0; e < E; ++e) {
-                kx[e] = vqq_float(rk[slot * D + i0 + e]);
-                vx[e] = vqq_float(rv[slot * D + i0 + e]);
+                kx[e] = vq_float(rk[slot * D + i0 + e]);
+                vx[e] = vq_float(rv[slot * D + i0 + e]);
             }
         } else {
-            const uint32_t* kp = kw + pos * WPOS;
-            const uint32_t* vp = vw + pos * WPOS;
-            const float ka = vqq_float(ks[pos * NG + grp]);
-            const float kc = vqq_float(kb[pos * NG + grp]);
-            const float va = vqq_float(vs[pos * NG + grp]);
-            const float vc = vqq_float(vb[pos * NG + grp]);
-            for (int e = 0; e < E; ++e) {
-                const int i = i0 + e;
-                const int shift = (i % PER) * BITS;
-                kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
-                vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
-            }
-        }
 """
-assert _SOURCE.count(_CODES_LOAD) == 1
-_WINDOW_SOURCE = _SOURCE.replace(_CODES_LOAD, _WINDOW_LOAD)
+    + textwrap.indent(_CODES_LOAD, "    ")
+    + "        }\n"
+)
+
+
+def _kernel_source(load: str) -> str:
+    return _HEAD + _STATE + _LOOP + load + _STEP + "    }\n" + _COMBINE
+
+
+_SOURCE = _kernel_source(_CODES_LOAD)
+_WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD)
 
 # Split over positions (flash-decoding): with few rows a block per (row, KV head) leaves most of
 # the device idle over a long context, so ``SPLITS`` blocks share a row's positions, each writes
@@ -193,11 +107,11 @@ _SPLIT_EDITS = (
      "    const int lo = part * span;\n"
      "    const int hi = lo + span < len ? lo + span : len;\n"
      "    for (int t = lo + w; t < hi; t += WARPS) {\n"),
-    ("        vqq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);\n",
+    ("        vq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);\n",
      "        const size_t at = ((size_t)r * (HKV * G) + h * G + g) * SPLITS + part;\n"
      "        acc_out[at * D + d] = sum;\n"
      "        if (d == 0) {\n"
-     "            top_out[at] = top;\n"
+     "            top_out[at] = mx_;\n"
      "            total_out[at] = total;\n"
      "        }\n"),
 )  # fmt: skip
@@ -246,17 +160,12 @@ def combine_partials(
 
 
 def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
-    """Whether ``fused`` runs the kernel here: MLX's CUDA backend as the default device, a head
-    dim of whole warps whose lanes' values never straddle a quantization group, and the warps'
-    partials for ``group`` query heads per KV head in shared memory. Elsewhere it runs the same
-    attention in MLX ops (``reference``)."""
-    per_lane = head_dim // 32
-    fits = (
-        head_dim % 32 == 0
-        and group_size % per_lane == 0
-        and WARPS * group * (head_dim + 2) * 4 <= SHARED_BYTES
-    )
-    return fits and cuda_available() and mx.default_device() == mx.gpu
+    """Whether ``fused`` runs the kernel here: where the paged kernel would
+    (``paged_attention.kernel_runs``: MLX's CUDA backend, a head dim of whole warps, the warps'
+    partials for ``group`` query heads per KV head in shared memory), with each lane's values
+    inside one quantization group. Elsewhere it runs the same attention in MLX ops
+    (``reference``)."""
+    return paged_attention.kernel_runs(head_dim, group) and group_size % (head_dim // 32) == 0
 
 
 class QuantizedAttention:
@@ -364,25 +273,38 @@ def reference(
     bits: int,
     group_size: int,
 ) -> mx.array:
-    """``QuantizedAttention`` in MLX ops, on any backend (the same arguments): each row's whole
-    capacity through ``mx.quantized_matmul`` (mlx_lm's quantized attention), masked past its
-    own length. What ``fused`` runs where the kernel does not."""
+    """``QuantizedAttention`` in MLX ops, on any backend (the same arguments): mlx_lm's quantized
+    attention (``mx.quantized_matmul``) over each row's whole capacity, masked past its own
+    length. What ``fused`` runs where the kernel does not."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    rows = queries.shape[0]
+    seen = mx.arange(keys[0].shape[2])[None, :] < lens[:, None]
+    kw, ks, kb = (p[:rows] for p in keys)
+    vw, vs, vb = (p[:rows] for p in values)
+    return quantized_scaled_dot_product_attention(
+        mx.array(queries),  # (it scales its queries in place)
+        (kw, ks, kb),
+        (vw, vs, vb),
+        scale,
+        seen[:, None, None, :],
+        group_size,
+        bits,
+    )
+
+
+def float_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, seen: mx.array, scale: float
+) -> mx.array:
+    """One query per row over ``keys``/``values [rows, HKV, L, D]`` where ``seen [rows, L]``,
+    in float32 products: the start check's yardstick, which no quantized product enters.
+    Returns ``[rows, HQ, 1, D]`` in the queries' dtype."""
     rows, n_heads, _, dim = queries.shape
-    n_kv, width = keys[0].shape[1], keys[0].shape[2]
-    kw, ks, kb = (mx.expand_dims(p[:rows], 2) for p in keys)
-    vw, vs, vb = (mx.expand_dims(p[:rows], 2) for p in values)
-    q = (queries * mx.array(scale, queries.dtype)).reshape(rows, n_kv, n_heads // n_kv, 1, dim)
-    scores = mx.quantized_matmul(
-        q, kw, ks, kb, transpose=True, group_size=group_size, bits=bits
-    )  # [rows, kv, group, 1, width]
-    seen = mx.arange(width)[None, :] < lens[:, None]
-    scores = mx.where(
-        seen[:, None, None, None, :], scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)
-    )
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        weights, vw, vs, vb, transpose=False, group_size=group_size, bits=bits
-    )
+    n_kv = keys.shape[1]
+    q = queries.astype(mx.float32).reshape(rows, n_kv, n_heads // n_kv, dim) * scale
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # [rows, kv, group, L]
+    scores = mx.where(seen[:, None, None, :], scores, mx.array(-float("inf"), mx.float32))
+    out = mx.softmax(scores, axis=-1) @ values.astype(mx.float32)
     return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
 
 
@@ -395,17 +317,12 @@ def dequantized(
     bits: int,
     group_size: int,
 ) -> mx.array:
-    """The same attention over the codes dequantized (``mx.dequantize``, then float32 products):
-    the start check's yardstick for the kernel, which no quantized product enters."""
-    rows, n_heads, _, dim = queries.shape
-    n_kv, width = keys[0].shape[1], keys[0].shape[2]
+    """The same attention over the codes dequantized (``mx.dequantize``, then
+    ``float_attention``)."""
+    rows = queries.shape[0]
     kw, ks, kb = (p[:rows] for p in keys)
     vw, vs, vb = (p[:rows] for p in values)
     k = mx.dequantize(kw, ks, kb, group_size=group_size, bits=bits)
     v = mx.dequantize(vw, vs, vb, group_size=group_size, bits=bits)
-    q = queries.astype(mx.float32).reshape(rows, n_kv, n_heads // n_kv, dim) * scale
-    scores = q @ k.astype(mx.float32).swapaxes(-1, -2)  # [rows, kv, group, width]
-    seen = mx.arange(width)[None, :] < lens[:, None]
-    scores = mx.where(seen[:, None, None, :], scores, mx.array(-float("inf"), mx.float32))
-    out = mx.softmax(scores, axis=-1) @ v.astype(mx.float32)
-    return out.reshape(rows, n_heads, 1, -1).astype(queries.dtype)
+    seen = mx.arange(k.shape[2])[None, :] < lens[:, None]
+    return float_attention(queries, k, v, seen, scale)
