@@ -13,7 +13,8 @@ on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on
 ``--formats auto,int8,int8+fused`` takes the same step apart over the quantized dense layout
 (``--kv-format``), whose attention reads codes through ``mx.quantized_matmul`` (mlx_lm's), or
 with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA); ``+wN``
-adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``. Each
+adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+fast``
+is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``). Each
 line also says whether row 0's greedy tokens over the steps are the first format's.
 """
 
@@ -56,13 +57,15 @@ def anatomy(
     k0 = layers[0][0]
     name, *hows = fmt.split("+")
     codec = parse(name, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
-    kernel = "fused" in hows
+    kernel = "fused" in hows or "fast" in hows
     recent = next((int(h[1:]) for h in hows if h.startswith("w")), 0)
     if kernel or recent:
         attention.install(model)
     kv, n_ids = layout_with_rows(
         "dense", layers, rows, steps + 4, codec=codec, kernel=kernel, recent=recent
     )
+    if "fast" in hows:  # the kernels' fast step (kv.quantized_attention._FAST_STEP)
+        kv.kernel.fast = True
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)

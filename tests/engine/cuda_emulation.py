@@ -40,6 +40,15 @@ static float __shfl_xor_sync(unsigned, float v, int o) {
   warp_barrier[w]->arrive_and_wait();
   return r;
 }
+static float __shfl_sync(unsigned, float v, int src) {
+  const int t = threadIdx.x, w = t >> 5;
+  exchange[t] = v;
+  warp_barrier[w]->arrive_and_wait();
+  const float r = exchange[(w << 5) | (src & 31)];
+  warp_barrier[w]->arrive_and_wait();
+  return r;
+}
+#define __expf(x) std::exp(x)  // (glibc declares an __expf of its own)
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline float vq_float(float x) { return x; }
 inline void vq_store(float* p, float v) { *p = v; }

@@ -31,9 +31,23 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler here
         (8, 64, 1, 4, [3, 77], 16, 4),  # split, with a window
     ],
 )
+@pytest.mark.parametrize("fast", [False, True])
 def test_the_kernel_computes_what_the_mlx_ops_do(
-    tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits
+    tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast
 ):
+    _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast)
+
+
+@pytest.mark.parametrize(
+    ("per_kv", "recent", "splits"), [(1, 0, 1), (8, 0, 2), (3, 8, 1), (6, 0, 1), (32, 0, 1)]
+)
+def test_the_fast_step_folds_any_group_of_query_heads(tmp_path, per_kv, recent, splits):
+    """The fast step's transposed butterfly for groups of 1, 8 and 32 query heads a KV head,
+    and its head-by-head fallback for 3 and 6 (not powers of two)."""
+    _check_kernel(tmp_path, 8, 64, 1, per_kv, [7, 90], recent, splits, True)
+
+
+def _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast):
     codec = kv_codec.parse(f"int{bits}", "float32", dim, None)
     kv = QuantizedDenseKV(1, codec, recent=recent)
     for row, n in enumerate(lengths):
@@ -63,12 +77,7 @@ def test_the_kernel_computes_what_the_mlx_ops_do(
     if splits > 1:
         template["SPLITS"] = splits
     template["WARPS"] = quantized_attention.WARPS
-    source = {
-        (False, False): quantized_attention._SOURCE,
-        (True, False): quantized_attention._WINDOW_SOURCE,
-        (False, True): quantized_attention._SPLIT_SOURCE,
-        (True, True): quantized_attention._SPLIT_WINDOW_SOURCE,
-    }[(bool(recent), splits > 1)]
+    source = quantized_attention.SOURCES[(bool(recent), splits > 1, fast)]
     rows, n_q = len(lengths), n_kv * per_kv
     if splits == 1:
         outputs = {"out": int(np.prod(want.shape))}

@@ -77,6 +77,11 @@ class QuantizedDenseKV(DenseKV):
         self.rv: list[mx.array] = []
         self._batch: StepBatch | None = None
 
+    @property
+    def kernel(self) -> quantized_attention.QuantizedAttention | None:
+        """The kernels ``fused`` attends through (None without ``kernel``)."""
+        return self._kernel
+
     def _grow_to(self, rows: int, positions: int, shrink: bool = False) -> None:
         """Room for ``rows`` rows of ``positions`` positions; with ``shrink``, a capacity
         ``SHRINK_SLACK`` past that comes down to it."""

@@ -88,12 +88,72 @@ _WINDOW_LOAD = (
 )
 
 
-def _kernel_source(load: str) -> str:
-    return _HEAD + _STATE + _LOOP + load + _STEP + "    }\n" + _COMBINE
+# The same online-softmax step with fewer instructions a position (``QuantizedAttention(fast=
+# True)``): the group's G partial scores are summed over the warp in one transposed butterfly
+# (each stage halves the heads a lane sums: 10 shuffles for G = 4 where ``_STEP`` takes 20,
+# then each head's score broadcast from a lane that holds it), and one exponential a position
+# and head (``__expf`` of minus the gap between the score and the running max: the old sum's
+# factor or the new weight) where ``_STEP`` takes two precise ones. A G that is not a power
+# of two reduces head by head, as ``_STEP``.
+_FAST_STEP = """        constexpr bool FOLD = (G & (G - 1)) == 0 && G <= 32;
+        float s[G];
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            s[g] = 0.0f;
+            for (int e = 0; e < E; ++e) {
+                s[g] += qv[g][e] * kx[e];
+            }
+        }
+        if (FOLD) {
+            int o = 16;
+            #pragma unroll
+            for (int n = G; n > 1; n >>= 1, o >>= 1) {
+                const bool up = (lane & o) != 0;
+                #pragma unroll
+                for (int i = 0; i < n / 2; ++i) {
+                    const float give = up ? s[i] : s[i + n / 2];
+                    const float keep = up ? s[i + n / 2] : s[i];
+                    s[i] = keep + __shfl_xor_sync(0xffffffff, give, o);
+                }
+            }
+            for (; o > 0; o >>= 1) {
+                s[0] += __shfl_xor_sync(0xffffffff, s[0], o);
+            }
+            const float mine = s[0];  // head g's whole score is in lanes g * 32 / G ...
+            #pragma unroll
+            for (int g = 0; g < G; ++g) {
+                s[g] = __shfl_sync(0xffffffff, mine, g * (32 / G));
+            }
+        } else {
+            for (int g = 0; g < G; ++g) {
+                for (int o = 16; o > 0; o >>= 1) {
+                    s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+                }
+            }
+        }
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float gap = s[g] - m[g];
+            const float x = __expf(-fabsf(gap));
+            const float c = gap > 0.0f ? x : 1.0f;  // the running sums' factor
+            const float p = gap > 0.0f ? 1.0f : x;  // this position's weight
+            l[g] = l[g] * c + p;
+            for (int e = 0; e < E; ++e) {
+                acc[g][e] = acc[g][e] * c + p * vx[e];
+            }
+            m[g] = gap > 0.0f ? s[g] : m[g];
+        }
+"""
+
+
+def _kernel_source(load: str, step: str = _STEP) -> str:
+    return _HEAD + _STATE + _LOOP + load + step + "    }\n" + _COMBINE
 
 
 _SOURCE = _kernel_source(_CODES_LOAD)
 _WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD)
+_FAST_SOURCE = _kernel_source(_CODES_LOAD, _FAST_STEP)
+_FAST_WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD, _FAST_STEP)
 
 # Split over positions (flash-decoding): with few rows a block per (row, KV head) leaves most of
 # the device idle over a long context, so ``SPLITS`` blocks share a row's positions, each writes
@@ -126,6 +186,19 @@ def _split(source: str) -> str:
 
 _SPLIT_SOURCE = _split(_SOURCE)
 _SPLIT_WINDOW_SOURCE = _split(_WINDOW_SOURCE)
+_FAST_SPLIT_SOURCE = _split(_FAST_SOURCE)
+_FAST_SPLIT_WINDOW_SOURCE = _split(_FAST_WINDOW_SOURCE)
+# (window, split, fast) -> the kernel's source
+SOURCES = {
+    (False, False, False): _SOURCE,
+    (True, False, False): _WINDOW_SOURCE,
+    (False, True, False): _SPLIT_SOURCE,
+    (True, True, False): _SPLIT_WINDOW_SOURCE,
+    (False, False, True): _FAST_SOURCE,
+    (True, False, True): _FAST_WINDOW_SOURCE,
+    (False, True, True): _FAST_SPLIT_SOURCE,
+    (True, True, True): _FAST_SPLIT_WINDOW_SOURCE,
+}
 # ``splits_for``: split until the blocks reach this many (about two per SM of an H100 / H200) ...
 TARGET_BLOCKS = 256
 # ... while each split keeps at least this many positions, and never into more than MAX_SPLITS
@@ -170,26 +243,25 @@ def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
 
 class QuantizedAttention:
     """The kernels (without and with a residual window) and their constant input (the scale),
-    made at first use; one per ``QuantizedDenseKV``. Engine thread only."""
+    made at first use; one per ``QuantizedDenseKV``. ``fast``: their step with the folded
+    reduction and one exponential (``_FAST_STEP``; ``benchmarks.step_anatomy``'s ``+fast``
+    measures it against the plain one, which the server runs). Engine thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, fast: bool = False) -> None:
+        self.fast = fast
         self._kernels: dict[tuple[bool, bool], Any] = {}  # (window, split) -> kernel
         self._scales: dict[float, mx.array] = {}
 
     def _kernel(self, window: bool, split: bool) -> Any:
         got = self._kernels.get((window, split))
         if got is None:
-            source = {
-                (False, False): _SOURCE,
-                (True, False): _WINDOW_SOURCE,
-                (False, True): _SPLIT_SOURCE,
-                (True, True): _SPLIT_WINDOW_SOURCE,
-            }[(window, split)]
+            source = SOURCES[(window, split, self.fast)]
             ring = ["rk", "rv"] if window else []
             got = self._kernels[(window, split)] = mx.fast.cuda_kernel(
                 name="vq_quantized_decode"
                 + ("_window" if window else "")
-                + ("_split" if split else ""),
+                + ("_split" if split else "")
+                + ("_fast" if self.fast else ""),
                 input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", *ring, "lens", "scale"],
                 output_names=["acc_out", "top_out", "total_out"] if split else ["out"],
                 source=source,
