@@ -17,7 +17,8 @@ from tests.engine.conftest import wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 from veloxquant_mlx.kv import codec as kv_codec
-from veloxquant_mlx.kv.quantized import QuantizedDenseKV, check_kernels
+from veloxquant_mlx.kv.quantized import QuantizedDenseKV
+from veloxquant_mlx.kv.quantized_check import check_kernels
 from veloxquant_mlx.kv.step import StepCache
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -12,7 +12,8 @@ from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv import quantized_attention
 from veloxquant_mlx.kv.attention import cuda_available
-from veloxquant_mlx.kv.quantized import QuantizedDenseKV, check_kernels
+from veloxquant_mlx.kv.quantized import QuantizedDenseKV
+from veloxquant_mlx.kv.quantized_check import check_kernels
 
 
 def stored(rows: int, heads: int, width: int, dim: int, bits: int, group: int, seed: int):

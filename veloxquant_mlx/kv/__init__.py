@@ -10,7 +10,8 @@
   elsewhere).
 - ``codec``, ``quantized``, ``mixed``: KV stored quantized (``--kv-format``), a format per
   request (``--kv-formats``); ``quantized_attention``: quantized decode attention in one CUDA
-  kernel a layer (``--quantized-attention``; MLX ops elsewhere).
+  kernel a layer (``--quantized-attention``; MLX ops elsewhere); ``quantized_check``: the
+  start check of a quantized route against the dequantized attention.
 
 Imports MLX; imports neither the engine nor the seed's caches (``veloxquant_mlx.cache``).
 Engine thread only.

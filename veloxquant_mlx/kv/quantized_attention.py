@@ -16,7 +16,7 @@ KV head's group, the warps' partials combined through shared memory; scores and 
 float32. Elsewhere ``fused`` computes the same attention in MLX ops (``reference``: the codes
 through ``mx.quantized_matmul``, masked by each row's length), so the routing is the same on
 every backend and is what the CPU tests run; the kernel runs only on CUDA, where the start
-check (``kv.quantized.check_kernels``) compares it with the dequantized attention and
+check (``kv.quantized_check.check_kernels``) compares it with the dequantized attention and
 ``benchmarks.step_anatomy`` measures it (its source also runs on a CPU through the tests'
 emulation, ``tests/engine/cuda_emulation.py``). With a residual window (``--kv-recent-tokens``)
 a second kernel reads each row's newest positions from its ring instead of its codes. With

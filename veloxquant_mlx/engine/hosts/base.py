@@ -29,7 +29,7 @@ from veloxquant_mlx.engine.types import (
 )
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.core import Parts
+    from veloxquant_mlx.engine.loop.parts import Parts
 
 
 def wait_cancellable(

@@ -23,8 +23,9 @@ from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.hosts.base import HostBase, wait_cancellable
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
-from veloxquant_mlx.engine.loop.core import EngineCore, Parts
+from veloxquant_mlx.engine.loop.core import EngineCore
 from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
+from veloxquant_mlx.engine.loop.parts import Parts
 from veloxquant_mlx.engine.loop.preload import preload
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.loop.warmup import long_context, run_warm_up, warm_up_waves

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -28,47 +27,30 @@ from veloxquant_mlx.engine.loop.commands import (
     Shrink,
     Turn,
 )
-from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
-from veloxquant_mlx.engine.loop.group import Group
+from veloxquant_mlx.engine.loop.disk_tier import persist_at_stop
+from veloxquant_mlx.engine.loop.group import Group, pool_rows
 from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
+from veloxquant_mlx.engine.loop.parts import Parts
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
-from veloxquant_mlx.engine.loop.runner import RowState, Runner, Sampled
-from veloxquant_mlx.engine.loop.scheduler import Scheduler
+from veloxquant_mlx.engine.loop.runner import RowState, Sampled
+from veloxquant_mlx.engine.loop.scoring_queue import ScoringQueue
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource
-from veloxquant_mlx.engine.request.detokenize import Detokenizer
 from veloxquant_mlx.engine.request.faults import RequestFault
-from veloxquant_mlx.engine.request.grammar import GrammarCompiler, GrammarRow
+from veloxquant_mlx.engine.request.grammar import GrammarRow
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.request.running import Running
 from veloxquant_mlx.engine.request.sampling import RowSampling
-from veloxquant_mlx.engine.request.scoring import ScoringJob, prompt_logprobs
+from veloxquant_mlx.engine.request.scoring import prompt_logprobs
 from veloxquant_mlx.engine.types import (
     CAPACITY_REDUCED,
     DRAINING,
     ENGINE_FAILED,
     REQUEST_FAILED,
-    EngineNotReadyError,
     GenerationRequest,
 )
 
 log = logging.getLogger("veloxquant.engine")
-
-
-@dataclass(slots=True)
-class Parts:
-    """What the engine thread loaded, handed to the core."""
-
-    runner: Runner
-    scheduler: Scheduler
-    new_detokenizer: Callable[[], Detokenizer]
-    grammars: GrammarCompiler | None  # None: the tokenizer cannot be constrained
-    vocab_size: int
-    eos: frozenset[int]
-    kv_bytes_per_block: int
-    token_bytes: list[bytes] | None = None
-    tokenizer: Any = None  # the host's, for the routes (the loop decodes through its parts)
-    disk: DiskTier | None = None  # the prefix cache's disk tier (--prefix-cache-dir)
 
 
 # The largest batch (rows, holes included) whose joining rows' first tokens are read before
@@ -101,7 +83,7 @@ class EngineCore:
         self._faulted: list[RequestFault] = []
         self._live: dict[int, Seq] = {}  # request id -> every admitted or queued request
         self._inflight: list[Sampled] = []  # launched, not read back
-        self._scoring: list[ScoringJob] = []  # prompts being scored, a chunk a turn
+        self._scoring = ScoringQueue()  # prompts being scored, a chunk a turn
         self._changed = True
         self._holds_a_request = True  # checked at load; only a shrink can change it
         self.runner.on_join = self._cache_prompt
@@ -166,33 +148,17 @@ class EngineCore:
         if isinstance(command, Score):
             if self.group is not None:  # the ranks step together: in one forward
                 return prompt_logprobs(self.runner.model, command.prompt, command.top)
-            job = ScoringJob(command.prompt, command.top)
-            self._scoring.append(job)
-            return job  # answered when its last chunk is scored (``_score``)
+            return self._scoring.add(command.prompt, command.top)  # answered when scored
         if isinstance(command, GroupPools):
             return self.group_pools()
         raise TypeError(f"not an engine command: {command!r}")
 
     def _score(self) -> None:
         """One chunk of the oldest scoring job, of the step's prefill budget (the decoding
-        one while rows decode): a long prompt to score is interleaved with the others' steps.
-        A job whose caller gave up is dropped; one that fails fails its caller alone."""
-        job = self._scoring[0]
-        if not job.abandoned:
-            sched = self.scheduler
-            budget = sched.prefill_budget if sched.running else sched.idle_prefill_budget
-            try:
-                if not job.step(self.runner.model, budget):
-                    return
-            except Exception as exc:  # its own failure (an MLX error in its forward)
-                log.exception("scoring a prompt failed")
-                if job.future is not None and not job.future.done():
-                    job.future.set_exception(exc)
-                self._scoring.pop(0)
-                return
-            if job.future is not None and not job.future.done():
-                job.future.set_result(job.scores)
-        self._scoring.pop(0)
+        one while rows decode)."""
+        sched = self.scheduler
+        budget = sched.prefill_budget if sched.running else sched.idle_prefill_budget
+        self._scoring.step(self.runner.model, budget)
 
     def _finish_draining(self, expired: bool) -> bool:
         """While draining: fail the waiting at once, and once the deadline has passed
@@ -207,7 +173,7 @@ class EngineCore:
                 self._end(
                     seq, "error", "the server shut down before this request finished", DRAINING
                 )
-            self._drop_scoring("the server shut down before this prompt was scored")
+            self._scoring.drop("the server shut down before this prompt was scored")
             return True
         return False
 
@@ -419,18 +385,8 @@ class EngineCore:
         return retired
 
     def group_pools(self) -> list[list[int]]:
-        """``[rank, blocks, free, blocks in use, owners]`` of every rank's pool (a collective in
-        a group: every rank runs it in the same turn)."""
-        pool = self.scheduler.pool
-        stats = pool.stats
-        mine = [
-            0 if self.group is None else self.group.rank,
-            stats.n_blocks,
-            sum(pool.n_free(s) for s in pool.streams),
-            stats.blocks_in_use(),
-            len(pool.owner_block_counts()),
-        ]
-        return [mine] if self.group is None else self.group.gather_ints(mine)
+        """Every rank's pool in a row (``group.pool_rows``; a collective in a group)."""
+        return pool_rows(self.scheduler.pool, self.group)
 
     def _publish(self) -> None:
         self._changed = False
@@ -456,41 +412,16 @@ class EngineCore:
         answers), and the engine counts as dead."""
         self._fail_unapplied(message, [s.handle for s in list(self._live.values())])
 
-    def _drop_scoring(self, message: str) -> None:
-        """Answer every scoring job's caller with EngineNotReadyError (a stop, a failure)."""
-        jobs, self._scoring = self._scoring, []
-        for job in jobs:
-            if job.future is not None and not job.future.done():
-                job.future.set_exception(EngineNotReadyError(message))
-
     def _fail_unapplied(self, message: str, handles: Sequence[RequestHandle] = ()) -> None:
-        """Close the inbox, then answer with ENGINE_FAILED ``handles``, every request and
-        command taken but not applied, and whatever callers sent that was never taken."""
-        self._drop_scoring(message)
-        adds, commands = self.inbox.close()
-        taken, futures = self.turns.take_unapplied()
-        for handle in [*handles, *taken, *adds]:
-            if not handle.done:
-                push_finish(self.inbox, handle, "error", 0, 0, 0, error=message, code=ENGINE_FAILED)
-        for future in [*futures, *(f for _, f in commands)]:
-            if not future.done():
-                future.set_exception(EngineNotReadyError(message))
+        """Drop the scoring jobs, then answer ``handles`` and everything not applied
+        (``TurnSource.fail_unapplied``)."""
+        self._scoring.drop(message)
+        self.turns.fail_unapplied(message, handles)
 
     def persist_cache(self) -> None:
-        """At a stop: every cached page to the disk tier (those it lacks), then wait for its
-        writer (bounded). A failure is logged: it never stops the shutdown."""
-        disk, cache = self.parts.disk, self.scheduler.cache
-        if disk is None:
-            return
-        try:
-            if cache is not None:
-                pages = cache.pages()
-                save_pages(disk, self.runner.kv, pages)
-                log.info("prefix cache: %d pages kept on disk", len(pages))
-        except Exception as exc:
-            log.warning("prefix cache: pages not written at stop (%s)", type(exc).__name__)
-        finally:
-            disk.close()
+        """At a stop: every cached page to the disk tier (``disk_tier.persist_at_stop``)."""
+        if self.parts.disk is not None:
+            persist_at_stop(self.parts.disk, self.scheduler.cache, self.runner.kv)
 
     def release_everything(self) -> None:
         pool = self.scheduler.pool

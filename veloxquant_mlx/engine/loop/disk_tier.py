@@ -337,3 +337,18 @@ def save_pages(tier: DiskTier, kv: Any, pages: list[Page]) -> None:
         layers = [(copy_span(k), copy_span(v)) for k, v in kv.page_parts([page])]
         mx.async_eval([x for pair in layers for parts in pair for x in parts])
         tier.save(page.digest, list(page.key[1]), layers, page.parent)
+
+
+def persist_at_stop(tier: DiskTier, cache: Any, kv: Any) -> None:
+    """At a stop: every page of the prefix cache ``cache`` (None: none) to ``tier`` (those it
+    lacks), then wait for its writer (bounded). A failure is logged: it never stops the
+    shutdown."""
+    try:
+        if cache is not None:
+            pages = cache.pages()
+            save_pages(tier, kv, pages)
+            log.info("prefix cache: %d pages kept on disk", len(pages))
+    except Exception as exc:
+        log.warning("prefix cache: pages not written at stop (%s)", type(exc).__name__)
+    finally:
+        tier.close()

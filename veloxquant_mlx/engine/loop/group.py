@@ -107,3 +107,17 @@ def init_group(pipeline: bool, join_timeout: float) -> Group | None:
     group = Group(g, PIPELINE if pipeline else TENSOR)
     log.info("rank %d of %d (%s parallel)", group.rank, group.size, group.mode)
     return group
+
+
+def pool_rows(pool: Any, group: Group | None) -> list[list[int]]:
+    """``[rank, blocks, free, blocks in use, owners]`` of every rank's pool ``pool`` (a
+    collective in a group: every rank runs it in the same turn)."""
+    stats = pool.stats
+    mine = [
+        0 if group is None else group.rank,
+        stats.n_blocks,
+        sum(pool.n_free(s) for s in pool.streams),
+        stats.blocks_in_use(),
+        len(pool.owner_block_counts()),
+    ]
+    return [mine] if group is None else group.gather_ints(mine)

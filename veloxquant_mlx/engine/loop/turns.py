@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from veloxquant_mlx.engine.loop.commands import EMPTY, Command, Turn
 from veloxquant_mlx.engine.loop.group import Group
 from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.readback import push_finish
 from veloxquant_mlx.engine.request.handle import DISCARD, RequestHandle
 from veloxquant_mlx.engine.request.scoring import ScoringJob
-from veloxquant_mlx.engine.types import GenerationRequest
+from veloxquant_mlx.engine.types import ENGINE_FAILED, EngineNotReadyError, GenerationRequest
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -116,8 +117,16 @@ class TurnSource:
         handle = self._handles.pop(request_id, None)
         return RequestHandle(request_id, request, DISCARD) if handle is None else handle
 
-    def take_unapplied(self) -> tuple[list[RequestHandle], list[Future[Any]]]:
-        """Handles and futures taken but not applied (the engine is failing: answer them)."""
-        handles, self._handles = list(self._handles.values()), {}
+    def fail_unapplied(self, message: str, handles: Sequence[RequestHandle] = ()) -> None:
+        """The engine is failing: close the inbox, then answer with ENGINE_FAILED ``handles``,
+        every request and command taken but not applied, and whatever callers sent that was
+        never taken."""
+        adds, commands = self.inbox.close()
+        taken, self._handles = list(self._handles.values()), {}
         futures, self._futures = self._futures, []
-        return handles, futures
+        for handle in [*handles, *taken, *adds]:
+            if not handle.done:
+                push_finish(self.inbox, handle, "error", 0, 0, 0, error=message, code=ENGINE_FAILED)
+        for future in [*futures, *(f for _, f in commands)]:
+            if not future.done():
+                future.set_exception(EngineNotReadyError(message))

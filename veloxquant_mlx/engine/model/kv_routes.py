@@ -11,7 +11,7 @@ from veloxquant_mlx.engine.model.formats import Formats
 from veloxquant_mlx.engine.model.sizing import KVGeometry
 from veloxquant_mlx.kv import attention, quantized_attention
 from veloxquant_mlx.kv.paged import fused_unreached
-from veloxquant_mlx.kv.quantized import window_bytes
+from veloxquant_mlx.kv.quantized_check import window_bytes
 
 
 def kv_layout(requested: str) -> str:

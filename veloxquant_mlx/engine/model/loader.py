@@ -43,7 +43,7 @@ from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.mixed import make_mixed, mixed_unreached
 from veloxquant_mlx.kv.paged import make_kv
-from veloxquant_mlx.kv.quantized import check_kernels, window_unreached
+from veloxquant_mlx.kv.quantized_check import check_kernels, window_unreached
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
