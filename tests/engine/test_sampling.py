@@ -8,14 +8,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from veloxquant_mlx.engine.request.sampling import (
-    WINDOW,
-    BatchSampler,
-    RowSampling,
-    _filter,
-    _host_rank_cut,
+from veloxquant_mlx.engine.request.logit_filters import (
     bitmask_to_allowed,
+    filter_logits,
+    host_rank_cut,
 )
+from veloxquant_mlx.engine.request.sampling import WINDOW, BatchSampler, RowSampling
 from veloxquant_mlx.engine.types import SamplingParams
 
 VOCAB = 97
@@ -55,9 +53,9 @@ def test_each_rows_filters_keep_what_mlx_lms_keep(params, seed):
     sampler = BatchSampler([RowSampling(p, VOCAB) for p in params], VOCAB)
     if not sampler.sampled:
         return
-    on_device = _filter(lp, *args_of(sampler), "sort" if sampler.uses_sort else "")
-    cut = _host_rank_cut(lp, sampler.top_p, sampler.top_k)  # the CPU's way: sorted by numpy
-    on_host = _filter(lp, *args_of(sampler), "host", True, cut)
+    on_device = filter_logits(lp, *args_of(sampler), "sort" if sampler.uses_sort else "")
+    cut = host_rank_cut(lp, sampler.top_p, sampler.top_k)  # the CPU's way: sorted by numpy
+    on_host = filter_logits(lp, *args_of(sampler), "host", True, cut)
     for ours in (np.isfinite(np.array(on_device)), np.isfinite(np.array(on_host))):
         for i, p in enumerate(params):
             expected = np.ones(VOCAB, bool)
@@ -92,8 +90,8 @@ def test_the_histogram_cut_keeps_what_the_sort_keeps(params, seed, levels, dtype
     sampler = BatchSampler([RowSampling(p, vocab) for p in params], vocab)
     if not sampler.sampled or not sampler.uses_sort:
         return
-    by_sort = _filter(logits, *args_of(sampler), "sort")
-    by_histogram = _filter(logits, *args_of(sampler), "histogram", sampler.uses_top_k)
+    by_sort = filter_logits(logits, *args_of(sampler), "sort")
+    by_histogram = filter_logits(logits, *args_of(sampler), "histogram", sampler.uses_top_k)
     assert np.array_equal(np.isfinite(np.array(by_sort.astype(mx.float32))),
                           np.isfinite(np.array(by_histogram.astype(mx.float32))))  # fmt: skip
 
@@ -247,12 +245,12 @@ def test_an_engine_with_the_histogram_cut_draws_the_sort_engines_tokens(
     from tests.engine.conftest import assert_engine_all_free, wait_idle
     from veloxquant_mlx.engine.config import EngineConfig
     from veloxquant_mlx.engine.hosts.thread import Engine
-    from veloxquant_mlx.engine.request import sampling
+    from veloxquant_mlx.engine.request import logit_filters, sampling
     from veloxquant_mlx.engine.types import GenerationRequest
 
     traced = []
-    keys = sampling._histogram_keys
-    monkeypatch.setattr(sampling, "_histogram_keys", lambda *a: traced.append(1) or keys(*a))
+    keys = logit_filters.histogram_keys
+    monkeypatch.setattr(logit_filters, "histogram_keys", lambda *a: traced.append(1) or keys(*a))
     sampling._compiled_draw.cache_clear()
     prompt = tuple(range(5, 40))
     params = [SamplingParams(0.9, top_p=0.9, seed=s) for s in range(4)]

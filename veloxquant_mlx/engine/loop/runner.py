@@ -27,12 +27,8 @@ from veloxquant_mlx.engine.loop.prefill import Prefiller
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
-from veloxquant_mlx.engine.request.sampling import (
-    BatchSampler,
-    Drawn,
-    RowSampling,
-    bitmask_to_allowed,
-)
+from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
+from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
 from veloxquant_mlx.kv.layout import KVLayout
 from veloxquant_mlx.kv.step import StepCache
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
+from veloxquant_mlx.engine.request.logit_filters import HALF, filter_logits, host_rank_cut
 from veloxquant_mlx.engine.types import SamplingParams
 
 WINDOW = 20  # the tokens the penalties look back over (mlx_lm's default context size)
@@ -225,7 +225,7 @@ class BatchSampler:
             elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
                 ranks = "host"
             draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)
-            extra = [_host_rank_cut(logits, self.top_p, self.top_k)] if ranks == "host" else []
+            extra = [host_rank_cut(logits, self.top_p, self.top_k)] if ranks == "host" else []
             tokens, self.keys = draw(
                 logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p, *extra
             )
@@ -280,7 +280,7 @@ def _draw(
     pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
     vocab = logits.shape[-1]
     noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
-    kept = _filter(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k, rank_cut)
+    kept = filter_logits(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k, rank_cut)
     drawn = mx.argmax(kept * inv_temp.astype(logits.dtype) + noise, axis=-1)
     return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), pairs[:, 0]
 
@@ -303,104 +303,3 @@ def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool) -> Any:
 # On a CPU, MLX's sort of a [rows, vocab] array costs more than the rest of sampling (26 ms
 # for 8 rows of 32,000 here, numpy's 2.4 ms): there the top_p / top_k cut is made on the host.
 HOST_RANK_CUT = True
-
-
-def _host_rank_cut(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.array:
-    """Each row's top_p / top_k threshold (the larger; -inf where neither is set), computed
-    with numpy as ``_filter`` computes it on the device. Evaluates ``logits``."""
-    values = np.array(logits.astype(mx.float32))
-    p, k = np.array(top_p)[:, 0], np.array(top_k)[:, 0]
-    cut = np.full((values.shape[0], 1), -np.inf, dtype=np.float32)
-    vocab = values.shape[-1]
-    for i in np.flatnonzero((p < 1.0) | (k > 0)):
-        ascending = np.sort(values[i])
-        if p[i] < 1.0:
-            probs = np.exp(ascending - ascending[-1])
-            mass_above = np.cumsum(probs[::-1])[::-1] - probs
-            dropped = min(int((mass_above >= p[i] * (mass_above[0] + probs[0])).sum()), vocab - 1)
-            cut[i, 0] = ascending[dropped]
-        if k[i] > 0:
-            cut[i, 0] = max(cut[i, 0], ascending[vocab - k[i]])
-    return mx.array(cut).astype(logits.dtype)
-
-
-def _filter(
-    logits: mx.array,
-    top_p: mx.array,
-    top_k: mx.array,
-    min_p: mx.array,
-    uses_min_p: bool,
-    ranks: str,
-    uses_top_k: bool = True,
-    rank_cut: mx.array | None = None,
-) -> mx.array:
-    """``logits`` with every token below its row's min_p / top_p / top_k cut at -inf (rows
-    set 1.0 / 0 / 0.0 to skip one). ``ranks``: how the top_p / top_k cut is made: "sort" (one
-    sort of the rows), "histogram" (``_histogram_keys``: 16-bit floats only), "host" (made
-    already: ``rank_cut``), "" (no row cuts by rank or mass)."""
-    if not (uses_min_p or ranks):
-        return logits
-    vocab = logits.shape[-1]
-    floor = mx.array(-mx.inf, dtype=logits.dtype)
-    threshold = mx.full(top_p.shape, -mx.inf, dtype=logits.dtype)
-    if rank_cut is not None:
-        threshold = rank_cut
-    if uses_min_p:
-        top = mx.max(logits, axis=-1, keepdims=True)
-        cut = top + mx.log(mx.maximum(min_p, 1e-30)).astype(logits.dtype)
-        threshold = mx.maximum(threshold, mx.where(min_p > 0, cut, floor))
-    if ranks == "histogram":
-        key, least = _histogram_keys(logits, top_p, top_k, uses_top_k)
-        return mx.where((logits >= threshold) & (key >= least), logits, floor)
-    if ranks == "sort":  # one sort for every row that filters by rank or mass
-        ascending = mx.sort(logits, axis=-1)
-        probs = mx.exp((ascending - ascending[:, -1:]).astype(mx.float32))
-        mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-        total = mass_above[:, :1] + probs[:, :1]
-        dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)
-        dropped = mx.minimum(dropped, vocab - 1).astype(mx.int32)
-        cut = mx.take_along_axis(ascending, dropped, axis=-1)
-        threshold = mx.maximum(threshold, mx.where(top_p < 1.0, cut, floor))
-        kth = mx.take_along_axis(ascending, mx.maximum(vocab - top_k, 0), axis=-1)
-        threshold = mx.maximum(threshold, mx.where(top_k > 0, kth, floor))
-    return mx.where(logits >= threshold, logits, floor)
-
-
-HALF = (mx.bfloat16, mx.float16)  # the logits ``_histogram_keys`` takes: 65,536 values
-
-
-def _histogram_keys(
-    logits: mx.array, top_p: mx.array, top_k: mx.array, uses_top_k: bool
-) -> tuple[mx.array, mx.array]:
-    """The top_p / top_k cut without a sort, for 16-bit float logits: each token's value as an
-    order-preserving 16-bit key, and each row's least kept key. A histogram of the
-    probability mass (and, for top_k, the count) at each of the 65,536 keys, summed from the
-    top, gives the same cut as the sorted rows: top_p keeps every key whose mass above it is
-    short of top_p of the total (the lowest such key and all above), top_k every key with at
-    least k tokens at or above it; ties are kept together, as the sort's cut keeps them."""
-    rows = logits.shape[0]
-    # -0 and +0 are one value to the sort's comparisons but two bit patterns: one key for both
-    zero = mx.zeros_like(logits)
-    bits = mx.where(logits == zero, zero, logits).view(mx.uint16).astype(mx.int32)
-    key = mx.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)  # negatives below positives
-    row = mx.arange(rows)[:, None]
-    probs = mx.exp((logits - mx.max(logits, axis=-1, keepdims=True)).astype(mx.float32))
-    mass = mx.zeros((rows, 1 << 16), dtype=mx.float32).at[row, key].add(probs)
-    above = mx.cumsum(mass, axis=-1, reverse=True, inclusive=False)
-    total = above[:, :1] + mass[:, :1]
-    least = mx.where(top_p < 1.0, (above >= top_p * total).sum(axis=-1, keepdims=True), 0)
-    if uses_top_k:
-        counts = mx.zeros((rows, 1 << 16), dtype=mx.int32).at[row, key].add(1)
-        at_or_above = mx.cumsum(counts, axis=-1, reverse=True)
-        kth = (at_or_above >= top_k).sum(axis=-1, keepdims=True) - 1
-        least = mx.maximum(least, mx.where(top_k > 0, kth, 0))
-    return key, least
-
-
-def bitmask_to_allowed(bits: np.ndarray, vocab_size: int) -> mx.array:
-    """llguidance's packed bitmask [rows, words] (int32, bit ``t % 32`` of word ``t // 32``
-    for token ``t``) as a boolean mask [rows, vocab_size], unpacked on the device."""
-    words = mx.array(bits.view(np.uint32))
-    shifts = mx.arange(32, dtype=mx.uint32)
-    unpacked = (words[:, :, None] >> shifts) & 1
-    return unpacked.reshape(bits.shape[0], -1)[:, :vocab_size] != 0
