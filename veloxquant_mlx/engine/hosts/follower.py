@@ -15,9 +15,9 @@ import signal
 import threading
 
 from veloxquant_mlx.engine.config import EngineConfig
-from veloxquant_mlx.engine.hosts.thread import build_parts
 from veloxquant_mlx.engine.loop.core import EngineCore
 from veloxquant_mlx.engine.loop.inbox import Inbox
+from veloxquant_mlx.engine.loop.parts import build_parts
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.model import loader
 

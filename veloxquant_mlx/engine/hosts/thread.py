@@ -25,15 +25,13 @@ from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.commands import Command, GroupPools, ResetPrefixCache, Score, Shrink
 from veloxquant_mlx.engine.loop.core import EngineCore
 from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
-from veloxquant_mlx.engine.loop.parts import Parts
+from veloxquant_mlx.engine.loop.parts import build_parts
 from veloxquant_mlx.engine.loop.preload import preload
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
 from veloxquant_mlx.engine.loop.warmup import long_context, run_warm_up, warm_up_waves
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
 from veloxquant_mlx.engine.model import loader
 from veloxquant_mlx.engine.request.checks import score_problem
-from veloxquant_mlx.engine.request.detokenize import detokenizer_factory, token_bytes_table
-from veloxquant_mlx.engine.request.grammar import GrammarCompiler, grammar_tokenizer
 from veloxquant_mlx.engine.request.handle import EventSink, RequestHandle
 from veloxquant_mlx.engine.types import (
     CapacityReducedError,
@@ -53,24 +51,6 @@ from veloxquant_mlx.pool import BlockPoolAllocator
 __all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger("veloxquant.engine")
-
-
-def build_parts(rt: loader.Runtime) -> Parts:
-    """What the core needs besides the runner and scheduler, made from the loaded runtime."""
-    token_bytes = token_bytes_table(rt.tokenizer)
-    ll_tokenizer = grammar_tokenizer(rt.tokenizer, rt.vocab_size)
-    return Parts(
-        runner=rt.runner,
-        scheduler=rt.scheduler,
-        new_detokenizer=detokenizer_factory(rt.tokenizer, token_bytes),
-        grammars=None if ll_tokenizer is None else GrammarCompiler(ll_tokenizer),
-        vocab_size=rt.vocab_size,
-        eos=frozenset(rt.tokenizer.eos_token_ids),
-        kv_bytes_per_block=rt.kv_bytes_per_block,
-        token_bytes=token_bytes,
-        tokenizer=rt.tokenizer,
-        disk=rt.disk,
-    )
 
 
 class Engine(HostBase):
