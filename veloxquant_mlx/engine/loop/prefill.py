@@ -70,12 +70,14 @@ class Prefiller:
         seq = chunk.seq
         state = seq.state
         assert state is not None
+        bucket = self.kv.ragged.prefill_bucket
+        first = state.caches is None
         if state.caches is None:
-            state.caches = self._start_caches(seq, chunk.start)
+            state.caches = self._start_caches(seq, chunk.start, bucket)
         tokens = seq.tokens[chunk.start : chunk.start + chunk.n]
         # Padded at the end to the policy's bucket (kv.attention.CUDA_PREFILL_BUCKET): the
         # prompt's tokens never see the padding (causal), which is trimmed off the caches after
-        extra = -chunk.n % self.kv.ragged.prefill_bucket if self.kv.ragged.prefill_bucket else 0
+        extra = -chunk.n % bucket if bucket else 0
         launch = self._launched(chunk.n + extra)
         last = chunk.n - 1  # the position a completing chunk samples from
         with self.stream(), last_logits.position(self.model, last):
@@ -84,6 +86,8 @@ class Prefiller:
                 for cache in state.caches:
                     cache.trim(extra)
             if not chunk.completes:  # the next chunk builds on these: start them now
+                if first and not chunk.start:
+                    _make_room(state.caches, len(seq.tokens) + bucket)
                 mx.async_eval([(c.keys, c.values) for c in state.caches])
                 return None
             sampled = self._sample_first([seq], last_logits.row(logits, last))
@@ -120,9 +124,11 @@ class Prefiller:
                 seq.state.next_input = sampled.tokens[i : i + 1]
         return Prefilled(sampled, joins, launch)
 
-    def _start_caches(self, seq: Seq, n_cached: int) -> list[KVCache]:
+    def _start_caches(self, seq: Seq, n_cached: int, bucket: int = 0) -> list[KVCache]:
         """Fresh prefill caches, holding the KV of the ``n_cached`` tokens ``seq`` starts
-        with (found at admission): its cached pages', then what the disk tier loaded."""
+        with (found at admission): its cached pages', then what the disk tier loaded, with
+        room for the rest of its prompt (and a bucket's padding) after them, so its chunks
+        write in place (a stock cache grows by copying itself whole every 256 tokens)."""
         caches = [KVCache() for _ in range(self._n_layers)]
         for cache in caches:  # how the routed attention takes them (kv.attention)
             cache.vq_route = self.kv.ragged.prefill_route  # type: ignore[attr-defined]
@@ -130,21 +136,23 @@ class Prefiller:
             return caches
         n_pages = seq.pages.n_known
         store = self.kv.layout_for(seq.kv_format)
-        layers = store.read_pages(seq.pages.held[:n_pages]) if n_pages else []
+        pieces: list[tuple[list[mx.array], list[mx.array]]] = [
+            ([k], [v]) for k, v in (store.read_pages(seq.pages.held[:n_pages]) if n_pages else [])
+        ]
         loaded, seq.preloaded = seq.preloaded, None
         if loaded is not None:  # as stored on disk (kv.codec): in the model's type for prefill
-            loaded = [(self.decode(k), self.decode(v)) for k, v in loaded]
-            layers = (
-                [
-                    (mx.concatenate([a[0], b[0]], axis=2), mx.concatenate([a[1], b[1]], axis=2))
-                    for a, b in zip(layers, loaded, strict=True)
-                ]
-                if layers
-                else loaded
+            decoded = [([self.decode(k)], [self.decode(v)]) for k, v in loaded]
+            pieces = (
+                [(a[0] + b[0], a[1] + b[1]) for a, b in zip(pieces, decoded, strict=True)]
+                if pieces
+                else decoded
             )
-        assert layers[0][0].shape[2] == n_cached, "a prefill starts where its KV ends"
-        for cache, (k, v) in zip(caches, layers, strict=True):
-            cache.keys, cache.values, cache.offset = k, v, k.shape[2]
+        room = len(seq.tokens) - n_cached + bucket
+        for cache, (ks, vs) in zip(caches, pieces, strict=True):
+            k, v = (_joined(parts, room) for parts in (ks, vs))
+            cache.keys, cache.values, cache.offset = k, v, n_cached
+        keys = caches[0].keys
+        assert keys is not None and keys.shape[2] == n_cached + room, "a prefill's KV ends there"
         return caches
 
     def decode(self, parts: tuple[mx.array, ...]) -> mx.array:
@@ -152,6 +160,25 @@ class Prefiller:
         tier holds), in the model's type."""
         codec = getattr(self.kv.layout_for(""), "codec", None)
         return parts[0] if codec is None else codec.decode(parts)
+
+
+def _joined(parts: list[mx.array], room: int) -> mx.array:
+    """``parts`` ``[1, H, n, D]`` one after the other, then ``room`` positions of zeros: one
+    copy."""
+    first = parts[0]
+    shape = (*first.shape[:2], room, first.shape[3])
+    return mx.concatenate([*parts, mx.zeros(shape, dtype=first.dtype)], axis=2)
+
+
+def _make_room(caches: list[Any], positions: int) -> None:
+    """Give stock caches room for ``positions`` in all (their first chunk's KV copied once),
+    so a long prompt's later chunks write in place instead of each copying the cache."""
+    for cache in caches:
+        if cache.keys.shape[2] < positions:
+            cache.keys, cache.values = (
+                _joined([a[..., : cache.offset, :]], positions - cache.offset)
+                for a in (cache.keys, cache.values)
+            )
 
 
 def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
