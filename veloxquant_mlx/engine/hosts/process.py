@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import queue
 import socket
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from veloxquant_mlx.engine.hosts.messages import (
     Return,
     Shutdown,
 )
+from veloxquant_mlx.engine.hosts.outbox import Outbox
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import (
     ENGINE_FAILED,
@@ -55,9 +55,6 @@ from veloxquant_mlx.engine.types import (
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 __all__ = ["EngineProcess"]
-
-OUTBOX = 4096  # messages queued for the child at most (then 503)
-_CLOSE = object()  # tells the sender thread to stop
 
 log = logging.getLogger("veloxquant.engine")
 
@@ -100,10 +97,7 @@ class EngineProcess(HostBase):
         self._exited = threading.Event()
         self._last_view: EngineView | None = None
         self._last_view_at = 0.0  # monotonic time of _last_view
-        # Messages to the child go through a bounded queue and a sender thread, so a child that
-        # stops reading (stopped, swapping) never blocks a caller (the event loop included).
-        self._outbox: queue.Queue[object] = queue.Queue(OUTBOX)
-        self._sender: threading.Thread | None = None
+        self._outbox: Outbox | None = None  # the messages to the child, once started
         # When the child was last heard from; reset when work starts after an idle spell.
         self._last_heard = time.monotonic()
         self._process: Any = None
@@ -123,10 +117,7 @@ class EngineProcess(HostBase):
         )
         theirs.close()
         self._alive = True
-        self._sender = threading.Thread(
-            target=self._send_all, name="veloxquant-engine-send", daemon=True
-        )
-        self._sender.start()
+        self._outbox = Outbox(self._conn)
         self._send(Config(self.config, *self._child_args))
         self._reader = threading.Thread(
             target=self._read, name="veloxquant-engine-pipe", daemon=True
@@ -165,10 +156,8 @@ class EngineProcess(HostBase):
         self._kill()
 
     def _close(self) -> None:
-        with contextlib.suppress(queue.Full):
-            self._outbox.put_nowait(_CLOSE)
-        if self._sender is not None and self._sender is not threading.current_thread():
-            self._sender.join(2.0)  # a sender stuck in a send (a stopped child) is left behind
+        if self._outbox is not None:
+            self._outbox.close()
         if self._conn is not None:
             self._conn.close()
 
@@ -187,31 +176,14 @@ class EngineProcess(HostBase):
     # ------------------------------------------------------------------ the pipe
 
     def _send(self, message: object) -> None:
-        """Queue ``message`` for the child; never blocks.
+        """Queue ``message`` for the child (``Outbox.put``); never blocks.
 
         Raises:
-            EngineNotReadyError: The child is gone, or has not read its last ``OUTBOX``
-                messages (stopped or far behind: the caller answers 503).
+            EngineNotReadyError: The child is gone, or is not keeping up (``Outbox.put``).
         """
-        if not self._alive:
+        if not self._alive or self._outbox is None:
             raise EngineNotReadyError("the engine is not running")
-        try:
-            self._outbox.put_nowait(message)
-        except queue.Full:
-            raise EngineNotReadyError(
-                "the engine process is not keeping up; try again later"
-            ) from None
-
-    def _send_all(self) -> None:
-        """The sender thread: hands queued messages to the pipe (blocking here, not in callers)."""
-        while True:
-            message = self._outbox.get()
-            if message is _CLOSE:
-                return
-            try:
-                self._conn.send(message)
-            except (OSError, EOFError, ValueError):  # closed: the reader sees the child gone
-                return
+        self._outbox.put(message)
 
     def stalled_for(self) -> float:
         """Seconds the child has had work (requests or calls) and sent nothing; 0 when idle."""
