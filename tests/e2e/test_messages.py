@@ -121,6 +121,16 @@ def test_a_stop_sequence_is_reported_with_its_text(claude):
     assert cut.content[0].text == full[: full.index(stop)]
 
 
+def test_the_sdk_lists_and_retrieves_the_model_in_anthropics_shape(claude):
+    listed = claude.models.list()
+    model = listed.data[0]
+    assert model.id == MODEL
+    assert model.type == "model" and model.display_name == MODEL
+    assert model.created_at.tzinfo is not None and model.created_at.year >= 2025
+    assert listed.has_more is False and listed.first_id == MODEL
+    assert claude.models.retrieve(MODEL).created_at == model.created_at
+
+
 def test_errors_have_anthropics_shape(claude, tool_server):
     with pytest.raises(anthropic.NotFoundError) as info:
         claude.messages.create(model="gpt-nope", max_tokens=4,

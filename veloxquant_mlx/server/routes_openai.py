@@ -31,7 +31,10 @@ router = APIRouter(prefix="/v1")  # the API key is checked before the body (midd
 
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": model_cards(state(request))}
+    """OpenAI's list, with Anthropic's paging fields (one page)."""
+    cards = model_cards(state(request))
+    return {"object": "list", "data": cards, "has_more": False,
+            "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # fmt: skip
 
 
 @router.get("/models/{model_id:path}")

@@ -7,6 +7,7 @@ import dataclasses
 import fnmatch
 import itertools
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
@@ -50,12 +51,18 @@ def model_cards(st: AppState) -> list[dict[str, Any]]:
 
 
 def model_card(st: AppState, name: str | None = None) -> dict[str, Any]:
+    """One model in OpenAI's shape and Anthropic's (``type``, ``display_name``, ``created_at``):
+    each SDK reads its own fields and ignores the others'."""
+    model_id = name or st.model_name
     return {
-        "id": name or st.model_name,
+        "id": model_id,
         "object": "model",
         "created": st.started,
         "owned_by": "veloxquant",
         "max_model_len": st.engine.context_window,
+        "type": "model",
+        "display_name": model_id,
+        "created_at": datetime.fromtimestamp(st.started, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 
