@@ -6,9 +6,9 @@ What the prefill's caches cost besides the forwards, per layer's K and V of a mo
 a cached turn (its cached KV in 5 runs of pages, then 64 new tokens in one chunk) and a long
 uncached prompt (8,000 tokens in chunks of 512). Stock: the pages joined into an exact-size
 cache, which ``KVCache.update_and_fetch`` copies whole when a chunk does not fit (every 256
-tokens it grows); ours (``engine.loop.prefill``): the pages and the room for the rest of the
-prompt joined in one copy, and a long prompt's cache given room for it all after its first
-chunk. Milliseconds (medians) and MLX's peak memory above what the inputs hold.
+tokens it grows); ours (``kv.room``, as the engine's prefill uses it): the pages and the room
+for the rest of the prompt joined in one copy, and a long prompt's cache given room for it all
+after its first chunk. Milliseconds (medians) and MLX's peak memory above what the inputs hold.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from veloxquant_mlx.engine.loop.prefill import _joined, _make_room
+from veloxquant_mlx.kv.room import joined, make_room
 
 # (name, layers, KV heads, head dim, dtype)
 GEOMETRIES = [("100m", 12, 4, 64, mx.float32), ("1b", 16, 8, 64, mx.bfloat16)]
@@ -48,8 +48,8 @@ def cached_turn(pieces: list[list[mx.array]], new: mx.array, room: bool) -> None
     for i, c in enumerate(caches):
         if room:
             c.keys, c.values = (
-                _joined(pieces[2 * i], new.shape[2]),
-                _joined(pieces[2 * i + 1], new.shape[2]),
+                joined(pieces[2 * i], new.shape[2]),
+                joined(pieces[2 * i + 1], new.shape[2]),
             )
         else:
             c.keys, c.values = (mx.concatenate(pieces[2 * i + j], axis=2) for j in (0, 1))
@@ -61,7 +61,7 @@ def long_prompt(layers: int, chunks: list[mx.array], room: bool) -> None:
     caches = [KVCache() for _ in range(layers)]
     _chunks(caches, chunks[:1])
     if room:
-        _make_room(caches, sum(c.shape[2] for c in chunks))
+        make_room(caches, sum(c.shape[2] for c in chunks))
         mx.eval([(c.keys, c.values) for c in caches])
     _chunks(caches, chunks[1:])
 

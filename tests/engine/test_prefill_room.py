@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
@@ -79,3 +80,19 @@ def test_a_cached_turn_starts_with_room_for_its_new_tokens(make_engine):
     assert offset > 0 and offset % 16 == 0, "the turn started from its cached pages"
     assert length == length_after == len(turn), "room for the new tokens, written in place"
     assert width == len(turn) - offset and after == len(turn)
+
+
+def test_a_scored_prompts_chunks_write_into_one_buffer(default_model):
+    """Prompt scoring (``echo`` with ``logprobs``) feeds stock caches a chunk at a time too:
+    after its first chunk they hold room for the whole prompt, and the scores equal one
+    forward's (``tests/engine/test_scoring.py`` holds them through the engine)."""
+    from veloxquant_mlx.engine.request.scoring import ScoringJob, prompt_logprobs
+
+    model, _ = default_model
+    prompt = tuple(random.Random(6).randrange(3, 2000) for _ in range(300))
+    job, lengths = ScoringJob(prompt, 2), set()
+    while not job.step(model, 32):
+        lengths.add(job._caches[0].keys.shape[2])
+    assert lengths == {len(prompt)}
+    want = prompt_logprobs(model, prompt, 2)
+    assert [t for t, _ in job.scores[1:]] == pytest.approx([t for t, _ in want[1:]], abs=1e-4)

@@ -12,6 +12,7 @@
   request (``--kv-formats``); ``quantized_attention``: quantized decode attention in one CUDA
   kernel a layer (``--quantized-attention``; MLX ops elsewhere); ``quantized_check``: the
   start check of a quantized route against the dequantized attention.
+- ``room``: room in a prompt's stock mlx_lm caches for the whole prompt (prefill, scoring).
 
 Imports MLX; imports neither the engine nor the seed's caches (``veloxquant_mlx.cache``).
 Engine thread only.

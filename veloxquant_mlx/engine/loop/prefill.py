@@ -19,6 +19,7 @@ from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq
 from veloxquant_mlx.kv.layout import KVLayout
+from veloxquant_mlx.kv.room import joined, make_room
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.runner import Sampled
@@ -87,7 +88,7 @@ class Prefiller:
                     cache.trim(extra)
             if not chunk.completes:  # the next chunk builds on these: start them now
                 if first and not chunk.start:
-                    _make_room(state.caches, len(seq.tokens) + bucket)
+                    make_room(state.caches, len(seq.tokens) + bucket)
                 mx.async_eval([(c.keys, c.values) for c in state.caches])
                 return None
             sampled = self._sample_first([seq], last_logits.row(logits, last))
@@ -149,7 +150,7 @@ class Prefiller:
             )
         room = len(seq.tokens) - n_cached + bucket
         for cache, (ks, vs) in zip(caches, pieces, strict=True):
-            k, v = (_joined(parts, room) for parts in (ks, vs))
+            k, v = (joined(parts, room) for parts in (ks, vs))
             cache.keys, cache.values, cache.offset = k, v, n_cached
         keys = caches[0].keys
         assert keys is not None and keys.shape[2] == n_cached + room, "a prefill's KV ends there"
@@ -160,25 +161,6 @@ class Prefiller:
         tier holds), in the model's type."""
         codec = getattr(self.kv.layout_for(""), "codec", None)
         return parts[0] if codec is None else codec.decode(parts)
-
-
-def _joined(parts: list[mx.array], room: int) -> mx.array:
-    """``parts`` ``[1, H, n, D]`` one after the other, then ``room`` positions of zeros: one
-    copy."""
-    first = parts[0]
-    shape = (*first.shape[:2], room, first.shape[3])
-    return mx.concatenate([*parts, mx.zeros(shape, dtype=first.dtype)], axis=2)
-
-
-def _make_room(caches: list[Any], positions: int) -> None:
-    """Give stock caches room for ``positions`` in all (their first chunk's KV copied once),
-    so a long prompt's later chunks write in place instead of each copying the cache."""
-    for cache in caches:
-        if cache.keys.shape[2] < positions:
-            cache.keys, cache.values = (
-                _joined([a[..., : cache.offset, :]], positions - cache.offset)
-                for a in (cache.keys, cache.values)
-            )
 
 
 def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from veloxquant_mlx.kv.room import make_room
+
 TokenScore = tuple[float | None, tuple[tuple[int, float], ...]]
 
 
@@ -87,6 +89,8 @@ class ScoringJob:
         if targets:
             self.scores += _scores(rows, targets, self.top)
         self._last = logprobs[-1:]
+        if not a:  # room for the whole prompt: its later chunks write in place (kv.room)
+            make_room(self._caches, len(self.prompt))
         self.pos = b
         if b == len(self.prompt):
             self._caches = None
