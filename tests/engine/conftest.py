@@ -11,6 +11,20 @@ from tests.conftest import assert_engine_all_free, assert_pool_all_free
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 
 
+def refused_at_start(
+    config: EngineConfig, match: str, error: type[BaseException] = Exception
+) -> BaseException:
+    """An engine of ``config`` fails to load with ``error`` saying ``match``; it is shut down
+    either way. Returns the error."""
+    engine = Engine(config).start()
+    try:
+        with pytest.raises(error, match=match) as info:
+            engine.wait_ready(120)
+    finally:
+        engine.shutdown(5)
+    return info.value
+
+
 def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
-import pytest
 
+from tests.engine.conftest import refused_at_start
 from tests.engine.test_layouts import (  # noqa: F401 (arch_model: a fixture)
     arch_model,
     serve_greedy,
     stock_tokens,
 )
-from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.hosts.thread import EngineConfig
 from veloxquant_mlx.kv import paged_attention
 
 
@@ -91,9 +91,6 @@ def test_fused_needs_the_paged_layout(arch_model):  # noqa: F811
 
 def assert_refused(path, match: str, **config) -> None:
     """An engine of ``--paged-attention fused`` and ``config`` fails to start, saying ``match``."""
-    engine = Engine(EngineConfig(model=str(path), paged_attention="fused", **config)).start()
-    try:
-        with pytest.raises(ValueError, match=match):
-            engine.wait_ready(120)
-    finally:
-        engine.shutdown(5)
+    refused_at_start(
+        EngineConfig(model=str(path), paged_attention="fused", **config), match, ValueError
+    )

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from tests.conftest import assert_engine_all_free
-from tests.engine.conftest import wait_idle
+from tests.engine.conftest import refused_at_start, wait_idle
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams
 from veloxquant_mlx.kv import codec as kv_codec
@@ -224,16 +224,12 @@ def test_the_disk_tier_keeps_compressed_pages_across_a_restart(default_model_dir
 
 
 def test_a_quantized_format_with_the_paged_layout_is_refused(default_model_dir):
-    engine = Engine(
+    refused_at_start(
         EngineConfig(
             model_cache_dir=str(default_model_dir.parent), kv_format="int8", kv_layout="paged"
-        )
-    ).start()
-    try:
-        with pytest.raises(Exception, match="--kv-format int8 needs --kv-layout dense"):
-            engine.wait_ready(120)
-    finally:
-        engine.shutdown(5)
+        ),
+        "--kv-format int8 needs --kv-layout dense",
+    )
 
 
 def test_a_backend_without_the_kernel_is_refused_at_start_in_one_line(monkeypatch):
@@ -401,10 +397,5 @@ def test_a_window_is_refused_where_it_cannot_work(default_model_dir, tmp_path):
         ({"kv_format": "int8", "kv_cache_mb": 0.05}, "cannot hold even one request"),
         ({"kv_format": "int8", "model": str(tmp_path)}, "use --kv-recent-tokens 0"),
     ):
-        engine = Engine(EngineConfig(**{**base, **overrides})).start()
-        try:
-            with pytest.raises(Exception, match=words) as info:
-                engine.wait_ready(120)
-            assert "\n" not in str(info.value)
-        finally:
-            engine.shutdown(5)
+        error = refused_at_start(EngineConfig(**{**base, **overrides}), words)
+        assert "\n" not in str(error)

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from tests.engine.conftest import wait_idle
+from tests.engine.conftest import refused_at_start, wait_idle
 from tests.engine.test_kv_format import stock_quantized_tokens
 from tests.engine.test_layouts import stock_tokens
-from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.hosts.thread import EngineConfig
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.request.handle import RequestHandle
@@ -188,12 +188,7 @@ def test_settings_that_hold_one_format_are_refused_at_start(default_model_dir, o
         kv_formats=overrides.pop("kv_formats", ("auto",)),
         **overrides,
     )
-    engine = Engine(config).start()
-    try:
-        with pytest.raises(Exception, match=words):
-            engine.wait_ready(120)
-    finally:
-        engine.shutdown(5)
+    refused_at_start(config, words)
 
 
 def test_the_flag_is_read_as_a_list_and_unknown_names_are_refused():

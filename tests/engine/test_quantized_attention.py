@@ -8,7 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from tests.engine.conftest import refused_at_start
+from veloxquant_mlx.engine.hosts.thread import EngineConfig
 from veloxquant_mlx.kv import codec as kv_codec
 from veloxquant_mlx.kv import quantized_attention
 from veloxquant_mlx.kv.attention import cuda_available
@@ -137,14 +138,10 @@ def test_a_step_through_the_route_reads_the_codes_where_they_lie():
 
 
 def test_fused_without_a_quantized_format_is_refused_at_start(default_model_dir):
-    engine = Engine(
-        EngineConfig(model_cache_dir=str(default_model_dir.parent), quantized_attention="fused")
-    ).start()
-    try:
-        with pytest.raises(Exception, match="--quantized-attention fused needs --kv-format"):
-            engine.wait_ready(120)
-    finally:
-        engine.shutdown(5)
+    refused_at_start(
+        EngineConfig(model_cache_dir=str(default_model_dir.parent), quantized_attention="fused"),
+        "--quantized-attention fused needs --kv-format",
+    )
 
 
 def test_the_start_check_holds_a_residual_window_to_its_dequantized_attention(monkeypatch):

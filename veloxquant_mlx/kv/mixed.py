@@ -20,7 +20,7 @@ from veloxquant_mlx.kv.attention import RaggedAttention, grouped_attention, matm
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.dense import DenseKV
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV
-from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch, unreached_layers
+from veloxquant_mlx.kv.step import READ_CHUNK, StepBatch
 
 
 @dataclass(slots=True)
@@ -198,21 +198,6 @@ def _attend(part: _Part, layer: int, q: mx.array, scale: float) -> mx.array:
     if batch.exp2:
         return grouped_attention(q, k, v, scale, mask, True)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-def mixed_unreached(
-    model: Any, n_layers: int, heads: int, head_dim: int, kv: MixedKV, dtype: mx.Dtype
-) -> list[int]:
-    """The layers whose attention would not reach ``kv.attend`` in a step of ``model``
-    (``kv.step.unreached_layers`` over a one-row step; ``kv`` is left empty)."""
-    zeros = mx.zeros((1, heads, 2, head_dim), dtype=dtype)
-    kv.put_row(0, [(zeros, zeros)] * n_layers, None)
-    batch = kv.step_batch([2])
-    kv.begin_step(batch, 0)
-    try:
-        return unreached_layers(model, kv, batch, n_layers)
-    finally:
-        kv.clear()
 
 
 def make_mixed(

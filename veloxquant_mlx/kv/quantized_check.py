@@ -1,18 +1,14 @@
 """The quantized layout's start checks: a route's output against the dequantized attention
-(``check_kernels``), the layers a residual window's route would miss (``window_unreached``),
-and what a window costs (``window_bytes``). Engine thread, at load.
+(``check_kernels``) and what a residual window costs (``window_bytes``). Engine thread, at load.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.kv import quantized_attention
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV
-from veloxquant_mlx.kv.step import unreached_layers
 
 # A quantized attention's output against the dequantized attention at start: the largest
 # difference as a fraction of the largest output. mlx_lm's on a CPU in bfloat16 (its scores in
@@ -20,19 +16,6 @@ from veloxquant_mlx.kv.step import unreached_layers
 # (MLX 0.32.4's CUDA route: 1.2-1.4x; BENCHMARKS.md). A quarter leaves another backend's
 # rounding room and still catches a route that reads the wrong codes.
 ROUTE_TOLERANCE = 0.25
-
-
-def window_unreached(model: Any, n_layers: int, heads: int, head_dim: int, kv: Any) -> list[int]:
-    """The layers whose attention would not reach ``kv.attend`` (a window's) in a step of
-    ``model`` (``kv.step.unreached_layers`` over a one-row step; ``kv`` is left empty)."""
-    zeros = mx.zeros((1, heads, 2, head_dim), dtype=kv.codec.dtype)
-    kv.put_row(0, [(zeros, zeros)] * n_layers, None)
-    batch = kv.step_batch([2])
-    kv.begin_step(batch, 0)
-    try:
-        return unreached_layers(model, kv, batch, n_layers)
-    finally:
-        kv.clear()
 
 
 def window_bytes(n_layers: int, heads: int, head_dim: int, codec: KVCodec, recent: int) -> int:

@@ -119,6 +119,21 @@ def unreached_layers(model: Any, kv: Any, batch: StepBatch, n_layers: int) -> li
     return [c.layer for c in caches if not c.attended]
 
 
+def unreached_in_one_row(
+    model: Any, kv: Any, n_layers: int, heads: int, head_dim: int, dtype: mx.Dtype
+) -> list[int]:
+    """``unreached_layers`` over a one-row step of a dense-kind layout ``kv`` (one two-token
+    row put in, in ``dtype``); ``kv`` is left empty."""
+    zeros = mx.zeros((1, heads, 2, head_dim), dtype=dtype)
+    kv.put_row(0, [(zeros, zeros)] * n_layers, None)
+    batch = kv.step_batch([2])
+    kv.begin_step(batch, 0)
+    try:
+        return unreached_layers(model, kv, batch, n_layers)
+    finally:
+        kv.clear()
+
+
 class StepCache:
     """The mlx_lm cache protocol for one layer in one decode step (one new token per row)."""
 

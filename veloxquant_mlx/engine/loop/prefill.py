@@ -72,7 +72,6 @@ class Prefiller:
         state = seq.state
         assert state is not None
         bucket = self.kv.ragged.prefill_bucket
-        first = state.caches is None
         if state.caches is None:
             state.caches = self._start_caches(seq, chunk.start, bucket)
         tokens = seq.tokens[chunk.start : chunk.start + chunk.n]
@@ -87,7 +86,7 @@ class Prefiller:
                 for cache in state.caches:
                     cache.trim(extra)
             if not chunk.completes:  # the next chunk builds on these: start them now
-                if first and not chunk.start:
+                if not chunk.start:  # the first chunk of an uncached prompt
                     make_room(state.caches, len(seq.tokens) + bucket)
                 mx.async_eval([(c.keys, c.values) for c in state.caches])
                 return None

@@ -41,9 +41,10 @@ from veloxquant_mlx.engine.model.sizing import KVGeometry, pool_config, probe_ge
 from veloxquant_mlx.engine.model.tokenizer import load_tokenizer, template_config, unbounded
 from veloxquant_mlx.kv import attention
 from veloxquant_mlx.kv.codec import KVCodec
-from veloxquant_mlx.kv.mixed import make_mixed, mixed_unreached
+from veloxquant_mlx.kv.mixed import make_mixed
 from veloxquant_mlx.kv.paged import make_kv
-from veloxquant_mlx.kv.quantized_check import check_kernels, window_unreached
+from veloxquant_mlx.kv.quantized_check import check_kernels
+from veloxquant_mlx.kv.step import unreached_in_one_row
 from veloxquant_mlx.pool import BlockPoolAllocator
 
 log = logging.getLogger("veloxquant.engine")
@@ -279,6 +280,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         cfg.kv_recent_tokens,
         kernel,
     )
+    # a one-row step of the routed layout: the layers whose attention would not reach it
+    probe = (geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, codec.dtype)
     if formats.mixed:  # each format's rows in a store of its own (kv.mixed)
         kv = make_mixed(
             formats.codecs,
@@ -289,15 +292,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             kernel,
         )
         attention.install(model)
-        missing = mixed_unreached(
-            model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv, codec.dtype
-        )
+        missing = unreached_in_one_row(model, kv, *probe)
         require_routed(missing, "--kv-formats", "one KV format (drop --kv-formats)")
     if (cfg.kv_recent_tokens or kernel) and not formats.mixed:  # routed (kv.quantized.attend)
         attention.install(model)
-        missing = window_unreached(
-            model, geometry.n_layers_total, geometry.n_kv_heads, geometry.head_dim, kv
-        )
+        missing = unreached_in_one_row(model, kv, *probe)
         if cfg.kv_recent_tokens:
             require_routed(missing, "--kv-recent-tokens", "--kv-recent-tokens 0")
         require_routed(missing, "--quantized-attention fused", "--quantized-attention mlx")
