@@ -18,6 +18,8 @@ def test_set_values_go_to_mlx_variables_and_the_environment_wins():
     assert applied == {"MLX_MAX_OPS_PER_BUFFER": "100"}
     assert env == {"MLX_MAX_OPS_PER_BUFFER": "100", "MLX_CUDA_GRAPH_CACHE_SIZE": "50"}
     assert mlx_env.apply({"cuda_graph_ops": None, "cuda_graph_cache": None}, {}) == {}
+    assert mlx_env.apply({"cuda_sdpa_cache": 1024}, {}) == {"MLX_CUDA_SDPA_CACHE_SIZE": "1024"}
+    assert load_settings([]).cuda_sdpa_cache == 1024  # cuDNN's graphs of bucketed prefills
 
 
 def test_the_flags_parse_and_are_bounded():

@@ -90,6 +90,40 @@ def test_prefill_by_matmul_is_auto_on_cuda_only_and_can_be_chosen():
         attention.choose("auto", prefill="flash")
 
 
+def test_key_buckets_are_four_an_octave_and_never_shorter():
+    lengths = range(1, 40_000, 7)
+    buckets = {attention.key_bucket(n) for n in lengths}
+    assert all(attention.key_bucket(n) >= n for n in lengths)
+    most = attention.KEY_BUCKET_MIN
+    assert all(attention.key_bucket(n) <= n + max(most, n // 4) for n in lengths)
+    assert len([b for b in buckets if 16_384 <= b < 32_768]) == 4
+    assert attention.key_bucket(8192) == 8192 and attention.key_bucket(8193) == 10240
+
+
+def test_buckets_are_chosen_by_name_only():
+    assert attention.choose("auto", gpu=True, cuda=True, prefill="buckets").prefill_route == (
+        "buckets"
+    )
+    assert attention.choose("auto", gpu=False, softmax="exp", prefill="buckets").prefill_route == (
+        "buckets"
+    )
+
+
+@pytest.mark.parametrize(("n_q", "length"), [(2, 2), (7, 300), (64, 1000), (5, 256)])
+def test_bucketed_attention_is_causal_attention_over_the_unpadded_keys(n_q, length):
+    """The keys padded to their bucket and the padding masked: MLX's causal attention over the
+    keys as they are; other masks and single queries take the grouped route."""
+    q, k, v = (a[:1] for a in prefill_qkv(n_q, 8, 2, length))
+    buffer = [mx.concatenate([a, mx.ones_like(a)], axis=2) for a in (k, v)]
+    for keys, values in ((k, v), (buffer[0][:, :, :length], buffer[1][:, :, :length])):
+        ours = attention.bucketed_attention(q, keys, values, 0.25, "causal")
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+        assert mx.allclose(ours, theirs, atol=1e-5).item()
+    per_row = (mx.arange(n_q)[:, None] + (length - n_q)) >= mx.arange(length)[None]
+    ours = attention.bucketed_attention(q, k, v, 0.25, per_row)
+    assert mx.allclose(ours, attention.grouped_attention(q, k, v, 0.25, per_row, False)).item()
+
+
 def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d: int = 16):
     mx.random.seed(n_q * 1000 + length)
     return (

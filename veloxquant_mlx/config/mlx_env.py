@@ -11,6 +11,7 @@ from collections.abc import MutableMapping
 VARIABLES = {
     "cuda_graph_ops": "MLX_MAX_OPS_PER_BUFFER",
     "cuda_graph_cache": "MLX_CUDA_GRAPH_CACHE_SIZE",
+    "cuda_sdpa_cache": "MLX_CUDA_SDPA_CACHE_SIZE",
 }
 
 

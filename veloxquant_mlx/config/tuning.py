@@ -32,11 +32,13 @@ class TuningSettings(BaseModel):
         "16-bit logits, summed from the top: the same tokens, no sort), auto (sort; a CPU "
         "model's float32 logits are cut on the host).",
     )
-    prefill_attention: Literal["auto", "sdpa", "matmul"] = Field(
+    prefill_attention: Literal["auto", "sdpa", "matmul", "buckets"] = Field(
         "auto",
         description="How a prefill chunk attends: sdpa (MLX's; on CUDA cuDNN, which builds a "
-        "graph for every new chunk and context length, ~60 ms), matmul (plain products, "
-        "KV heads' query heads as rows), auto (matmul on CUDA, sdpa elsewhere).",
+        "graph for every new chunk and context length, 20-70 ms), matmul (plain products, "
+        "KV heads' query heads as rows, MLX's softmax), buckets (MLX's over the keys padded "
+        "to one of 4 lengths an octave, so cuDNN meets a bounded number of shapes), auto "
+        "(matmul on CUDA, sdpa elsewhere).",
     )
     prefill_bucket: int | None = Field(
         None,
@@ -96,6 +98,14 @@ class TuningSettings(BaseModel):
         le=100_000,
         description="On MLX's CUDA backend: CUDA graphs it keeps instantiated for reuse "
         "(MLX_CUDA_GRAPH_CACHE_SIZE); unset: MLX's default. The environment's value wins.",
+    )
+    cuda_sdpa_cache: int | None = Field(
+        1024,
+        ge=1,
+        le=100_000,
+        description="On MLX's CUDA backend: cuDNN attention graphs it keeps for reuse "
+        "(MLX_CUDA_SDPA_CACHE_SIZE; MLX's default 256), one per prefill shape met; unset: "
+        "MLX's default. The environment's value wins.",
     )
     gil_switch_interval_ms: float | None = Field(
         None,

@@ -55,7 +55,7 @@ from veloxquant_mlx.kv.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
 SOFTMAXES = ("auto", "exp", "exp2")
-PREFILLS = ("auto", "sdpa", "matmul")
+PREFILLS = ("auto", "sdpa", "matmul", "buckets")
 # ``grouped_attention`` takes at most this many scores ([queries, keys] per head, float32) at
 # once: a longer chunk over a long context goes in pieces of queries
 SCORES_AT_ONCE = 2**26
@@ -63,6 +63,9 @@ SCORES_AT_ONCE = 2**26
 # product per shape, 4-5 ms the first time a width is met on an H200 (0.16 ms after), and an
 # agent's every turn had a new width; padded, a server meets at most chunk / 64 widths
 CUDA_PREFILL_BUCKET = 64
+# ``bucketed_attention``: a chunk's keys padded to a multiple of this at the least, and of an
+# eighth of the length's power of two above it (4 lengths an octave, at most a quarter more)
+KEY_BUCKET_MIN = 256
 LOG2E = 1.4426950408889634
 # ``auto`` on a GPU: ragged steps of this many rows or more (BENCHMARKS.md: at 8 rows the two
 # are even within a step and MLX's was ahead end to end; from 32 rows matmul is ahead)
@@ -83,13 +86,16 @@ class RaggedAttention:
     exp2: bool = False
     prefill_matmul: bool = False
     prefill_bucket: int = 0  # prefill widths padded to a multiple of this (0: not padded)
+    prefill_buckets: bool = False  # prefill chunks by MLX's attention over bucketed keys
 
     @property
     def prefill_route(self) -> str | None:
-        """How the engine's prefill caches attend (``vq_route``): "exp2", "exp" (grouped, MLX's
-        softmax) or None (MLX's attention)."""
+        """How the engine's prefill caches attend (``vq_route``): "exp2", "buckets"
+        (``bucketed_attention``), "exp" (grouped, MLX's softmax) or None (MLX's attention)."""
         if self.exp2:
             return "exp2"
+        if self.prefill_buckets:
+            return "buckets"
         return "exp" if self.prefill_matmul else None
 
     def uses_matmul(self, rows: int) -> bool:
@@ -136,15 +142,51 @@ def choose(
         cuda = on_gpu and cuda_available()
     exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
     prefill_matmul = prefill == "matmul" or (prefill == "auto" and cuda)
+    buckets = prefill == "buckets"
     if bucket is None:
         bucket = CUDA_PREFILL_BUCKET if cuda else 0
     if bucket < 0:
         raise ValueError(f"the prefill bucket must be 0 or more, got {bucket}")
     if requested != "auto":
-        return RaggedAttention(requested, 1, exp2, prefill_matmul, bucket)
+        return RaggedAttention(requested, 1, exp2, prefill_matmul, bucket, buckets)
     if on_gpu:
-        return RaggedAttention("matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul, bucket)
-    return RaggedAttention("sdpa", 1, exp2, prefill_matmul, bucket)
+        return RaggedAttention(
+            "matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul, bucket, buckets
+        )
+    return RaggedAttention("sdpa", 1, exp2, prefill_matmul, bucket, buckets)
+
+
+def key_bucket(length: int) -> int:
+    """``length`` keys rounded up to their bucket (``KEY_BUCKET_MIN``; 4 buckets an octave):
+    a server meets about 4 key lengths per doubling of its contexts."""
+    step = max(KEY_BUCKET_MIN, 1 << max(0, length.bit_length() - 3))
+    return -(-length // step) * step
+
+
+def bucketed_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """A causal prefill chunk (``queries [1, H, N, D]``, the last ``N`` of ``keys``' ``L``
+    positions) by MLX's attention over the keys padded with zeros to ``key_bucket(L)``, an
+    additive mask hiding the padding: on CUDA cuDNN builds a graph per (queries, keys, mask)
+    shape and strides, 20-70 ms the first time, so a server meets a bounded number of them
+    (the widths are padded too: ``CUDA_PREFILL_BUCKET``) where every agent turn was a new
+    one. Other masks, several rows and single queries go to ``grouped_attention``.
+
+    Cost: the padded K and V copied once a layer (a chunk of a 32,000-token context at 8B:
+    ~2 ms a forward on an H100), then MLX's flash attention. Lazy, like any MLX op."""
+    n_q, length = queries.shape[2], keys.shape[2]
+    if queries.shape[0] != 1 or n_q == 1 or not (isinstance(mask, str) and mask == "causal"):
+        return grouped_attention(queries, keys, values, scale, mask, exp2=False)
+    padded = key_bucket(length)
+    seen = (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(padded)[None]
+    bias = mx.where(seen, mx.array(0, queries.dtype), mx.array(-float("inf"), queries.dtype))
+    if padded > length:
+        room = [(0, 0), (0, 0), (0, padded - length), (0, 0)]
+        keys, values = mx.pad(keys, room), mx.pad(values, room)
+    else:  # cuDNN's graphs are keyed on strides too: a buffer's slice is copied
+        keys, values = mx.contiguous(keys), mx.contiguous(values)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=bias)
 
 
 def matmul_attention(
@@ -219,6 +261,8 @@ def grouped_attention(
 def _grouped(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, exp2: bool
 ) -> mx.array:
+    if not exp2:
+        return _grouped_softmax(queries, keys, values, scale, mask)
     b, n_heads, n_q, d = queries.shape
     n_kv, length = keys.shape[1], keys.shape[2]
     rep = n_heads // n_kv
@@ -246,6 +290,38 @@ def _grouped(
     total = mx.maximum(total, 1.0)  # >= 1 wherever a position is seen (the top one's 2^0)
     weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
     out = ((weights @ values) / total).astype(values.dtype)
+    return out.reshape(b, n_heads, n_q, values.shape[-1])
+
+
+def _grouped_softmax(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """``grouped_attention`` with MLX's softmax: the scores in the queries' type, masked, then
+    one fused pass (``precise``: float32 inside) where the powers-of-two form takes five over
+    float32 scores; on CUDA a chunk over a long context is mostly those passes."""
+    b, n_heads, n_q, d = queries.shape
+    n_kv, length = keys.shape[1], keys.shape[2]
+    rep = n_heads // n_kv
+    q = (queries * mx.array(scale, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
+    scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
+    seen = None
+    if mask is not None:
+        m = mask
+        while m.ndim < 4:
+            m = m[None]
+        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
+        if m.dtype == mx.bool_:
+            # the lowest finite score, not -inf: a query that sees nothing gets finite weights
+            # (then its output is zeroed), never NaN
+            scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+            seen = m.any(axis=-1, keepdims=True)
+        else:
+            scores = scores + m.astype(scores.dtype)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = weights.reshape(b, n_kv, rep * n_q, length) @ values
+    out = out.reshape(b, n_kv, rep, n_q, values.shape[-1])
+    if seen is not None:
+        out = mx.where(seen, out, mx.array(0, out.dtype))
     return out.reshape(b, n_heads, n_q, values.shape[-1])
 
 
@@ -305,6 +381,8 @@ def _routed(original: Any) -> Any:
             and not hasattr(cache, "bits")  # quantized KV: mlx_lm's quantized attention
             and sinks is None
         ):
+            if route == "buckets":
+                return bucketed_attention(queries, keys, values, scale, mask)
             return grouped_attention(queries, keys, values, scale, mask, route == "exp2")
         return original(queries, keys, values, cache, scale, mask, sinks)
 
