@@ -159,6 +159,31 @@ def test_prefill_by_matmul_with_mlx_softmax_matches_stock_caches(arch_model, mon
     assert routes == {(True, False)}  # prefill only, MLX's exp
 
 
+def test_prefill_by_buckets_matches_stock_caches(arch_model, monkeypatch):
+    """``--prefill-attention buckets``: prefill chunks of several queries attend by MLX's
+    attention over their queries and keys padded to buckets (``bucketed_attention``); the
+    tokens are stock's on every architecture."""
+    from veloxquant_mlx.kv import attention as attention_module
+
+    shapes = set()
+    real = attention_module.bucketed_attention
+
+    def counted(*args):
+        shapes.add((args[0].shape[2], args[1].shape[2]))
+        return real(*args)
+
+    monkeypatch.setattr(attention_module, "bucketed_attention", counted)
+    path, model = arch_model
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (5, 40, 23, 9)]
+    lengths = [9, 6, 12, 4]
+    ours = serve_greedy(path, prompts, lengths, kv_layout="dense", prefill_attention="buckets")
+    for p, n, got in zip(prompts, lengths, ours, strict=True):
+        assert got == stock_tokens(model, p, n)
+    # chunks of 16 over what the prompt's earlier chunks left (40 tokens: 16, 32, then 40)
+    assert any(keys > queries > 1 for queries, keys in shapes), shapes
+
+
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_padded_prefill_widths_match_stock_caches(arch_model, layout, monkeypatch):
     """``--prefill-bucket`` (CUDA's default 64): each chunk, and prompts prefilled together,

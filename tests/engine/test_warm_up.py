@@ -183,3 +183,20 @@ def test_a_warm_up_with_a_long_conversation_finds_its_turn_cached_and_leaves_not
     assert stats.cached_blocks == 0 and stats.prefix_queries_total == 0
     assert engine.pool is not None and engine.pool.stats.blocks_in_use() == 0
     assert_engine_all_free(engine)
+
+
+def test_bucketed_prefill_attention_builds_its_shapes_before_ready(make_engine, caplog):
+    """``--prefill-attention buckets``: the warm-up also runs every (queries, keys) bucket up
+    to the context window (``kv.attention.warm_buckets``), then serves as before."""
+    with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
+        engine = make_engine(
+            kv_cache_mb=16, warm_up="on", max_running=2, prefill_step=128,
+            prefill_attention="buckets",
+        )  # fmt: skip
+    [line] = [r.getMessage() for r in caplog.records if "warmed up" in r.getMessage()]
+    # widths 64 and 128 x keys 256, 512, 768, ... 2,048, 2,560, ... 4,096, 5,120, ... 8,192
+    # (the window): 2 x 16
+    assert " and 32 prefill attention shapes " in line, line
+    _, finish = engine.submit(GenerationRequest(tuple(range(5, 300)), 4, GREEDY)).collect(60)
+    assert finish.finish_reason == "length"
+    assert_engine_all_free(engine)

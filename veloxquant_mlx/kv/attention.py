@@ -92,10 +92,10 @@ class RaggedAttention:
     def prefill_route(self) -> str | None:
         """How the engine's prefill caches attend (``vq_route``): "exp2", "buckets"
         (``bucketed_attention``), "exp" (grouped, MLX's softmax) or None (MLX's attention)."""
+        if self.prefill_buckets:  # only where asked for, so before the CPU's exp2
+            return "buckets"
         if self.exp2:
             return "exp2"
-        if self.prefill_buckets:
-            return "buckets"
         return "exp" if self.prefill_matmul else None
 
     def uses_matmul(self, rows: int) -> bool:
@@ -163,30 +163,64 @@ def key_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
+def query_bucket(n: int) -> int:
+    """A chunk's queries rounded up to a power of two (at least ``KEY_BUCKET_MIN`` / 4)."""
+    return max(KEY_BUCKET_MIN // 4, 1 << (n - 1).bit_length())
+
+
 def bucketed_attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
     """A causal prefill chunk (``queries [1, H, N, D]``, the last ``N`` of ``keys``' ``L``
-    positions) by MLX's attention over the keys padded with zeros to ``key_bucket(L)``, an
-    additive mask hiding the padding: on CUDA cuDNN builds a graph per (queries, keys, mask)
-    shape and strides, 20-70 ms the first time, so a server meets a bounded number of them
-    (the widths are padded too: ``CUDA_PREFILL_BUCKET``) where every agent turn was a new
-    one. Other masks, several rows and single queries go to ``grouped_attention``.
+    positions) by MLX's attention with the queries padded to ``query_bucket(N)`` and the keys
+    to ``key_bucket(L)`` (zeros, hidden by an additive mask; the padded queries' outputs are
+    dropped), every input in a fresh row-major layout: on CUDA cuDNN builds a graph per
+    (queries, keys, mask) shape and strides, 20-70 ms the first time, so a server meets a
+    bounded number of them (``warm_buckets`` builds them before it is ready) where every
+    agent turn was a new one. Other masks, several rows and single queries go to
+    ``grouped_attention``.
 
-    Cost: the padded K and V copied once a layer (a chunk of a 32,000-token context at 8B:
-    ~2 ms a forward on an H100), then MLX's flash attention. Lazy, like any MLX op."""
+    Cost: the padded Q, K and V copied once a layer (K and V of a 32,000-token context at 8B:
+    ~40 MB a layer), then MLX's flash attention. Lazy, like any MLX op."""
     n_q, length = queries.shape[2], keys.shape[2]
     if queries.shape[0] != 1 or n_q == 1 or not (isinstance(mask, str) and mask == "causal"):
         return grouped_attention(queries, keys, values, scale, mask, exp2=False)
-    padded = key_bucket(length)
-    seen = (mx.arange(n_q) + (length - n_q))[:, None] >= mx.arange(padded)[None]
+    width, padded = query_bucket(n_q), key_bucket(length)
+    # query i sits at position length - n_q + i; the padding queries see every key
+    seen = (mx.arange(width) + (length - n_q))[:, None] >= mx.arange(padded)[None]
+    seen = seen & (mx.arange(padded)[None] < length)
     bias = mx.where(seen, mx.array(0, queries.dtype), mx.array(-float("inf"), queries.dtype))
-    if padded > length:
-        room = [(0, 0), (0, 0), (0, padded - length), (0, 0)]
-        keys, values = mx.pad(keys, room), mx.pad(values, room)
-    else:  # cuDNN's graphs are keyed on strides too: a buffer's slice is copied
-        keys, values = mx.contiguous(keys), mx.contiguous(values)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=bias)
+    q, k, v = (_row_major(a, n) for a, n in ((queries, width), (keys, padded), (values, padded)))
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias)
+    return out[:, :, :n_q]
+
+
+def _row_major(x: mx.array, n: int) -> mx.array:
+    """``x [B, H, L, D]`` padded with zeros to ``n`` positions, or copied: row-major either way
+    (a slice of a cache's buffer has the buffer's strides)."""
+    if n == x.shape[2]:
+        return mx.contiguous(x)
+    return mx.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
+
+
+def warm_buckets(
+    n_heads: int, n_kv: int, head_dim: int, dtype: mx.Dtype, widest: int, longest: int
+) -> int:
+    """Run ``bucketed_attention`` once for every (queries, keys) bucket of chunks of up to
+    ``widest`` tokens over up to ``longest`` keys, so cuDNN's graphs are built before a
+    request needs them. Returns how many shapes ran. Engine thread, before ready."""
+    n = 0
+    width = query_bucket(2)
+    while width <= query_bucket(widest):
+        keys = key_bucket(width)
+        while keys <= key_bucket(longest):
+            q = mx.zeros((1, n_heads, width, head_dim), dtype)
+            kv = mx.zeros((1, n_kv, keys, head_dim), dtype)
+            mx.eval(bucketed_attention(q, kv, kv, 1.0, "causal"))
+            n += 1
+            keys = key_bucket(keys + 1)
+        width *= 2
+    return n
 
 
 def matmul_attention(

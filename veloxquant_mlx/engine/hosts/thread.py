@@ -28,7 +28,12 @@ from veloxquant_mlx.engine.loop.inbox import Inbox, disk_fields
 from veloxquant_mlx.engine.loop.parts import build_parts
 from veloxquant_mlx.engine.loop.preload import preload
 from veloxquant_mlx.engine.loop.turns import wait_for_stall
-from veloxquant_mlx.engine.loop.warmup import long_context, run_warm_up, warm_up_waves
+from veloxquant_mlx.engine.loop.warmup import (
+    long_context,
+    prefill_attention_shapes,
+    run_warm_up,
+    warm_up_waves,
+)
 from veloxquant_mlx.engine.loop.warmup import wanted as warm_up_wanted
 from veloxquant_mlx.engine.model import loader
 from veloxquant_mlx.engine.request.checks import score_problem
@@ -194,9 +199,13 @@ class Engine(HostBase):
                 raise RuntimeError(
                     f"the warm-up's requests failed on {rt.device}: {_first_line(exc)}"
                 ) from exc
+            shapes = prefill_attention_shapes(
+                self._core, rt.geometry.dtype, info.context_window, self.config.prefill_step
+            )
             log.info(
-                "warmed up: %d requests in %.1f s (%d prompt tokens found cached)",
+                "warmed up: %d requests%s in %.1f s (%d prompt tokens found cached)",
                 n,
+                f" and {shapes} prefill attention shapes" if shapes else "",
                 time.monotonic() - started,
                 hits,
             )

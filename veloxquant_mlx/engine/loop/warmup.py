@@ -12,18 +12,20 @@ and logprobs; with several KV formats (``--kv-formats``), every batch size in ea
 format and rows of every format at once (each format's store meets its own shapes); on CUDA
 a long conversation (``--warm-up-context``: a prompt of thousands of tokens beside a decoding
 row, then resent with a few more tokens, an agent's next turn); then it drops what they left
-(cached pages, counters). Engine thread only.
+(cached pages, counters). With ``--prefill-attention buckets`` it also builds cuDNN's graph
+for every bucketed prefill shape (``prefill_attention_shapes``). Engine thread only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
+from veloxquant_mlx.kv import attention
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.core import EngineCore
@@ -35,6 +37,7 @@ PROMPT = 8  # tokens of a decode wave's prompts
 DECODE = 3  # tokens each request generates
 RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
 NEXT_TURN = 64  # tokens the long conversation's second turn adds
+WARM_KEYS = 32_768  # bucketed prefill attention's shapes are built up to this many keys
 
 
 def wanted(mode: str) -> bool:
@@ -146,6 +149,28 @@ def warm_up_waves(
             ]
         )
     return waves
+
+
+def prefill_attention_shapes(
+    core: EngineCore, dtype: str, context_window: int | None, widest: int
+) -> int:
+    """With ``--prefill-attention buckets``, build cuDNN's graphs for every bucketed chunk
+    shape up to ``widest`` tokens over up to ``WARM_KEYS`` keys (or the context window):
+    ``kv.attention.warm_buckets``. Returns how many shapes ran (0 for another route, or a
+    model whose arguments do not name its heads)."""
+    if core.runner.kv.ragged.prefill_route != "buckets":
+        return 0
+    args: Any = getattr(core.runner.prefills.model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return 0
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    longest = min(context_window or WARM_KEYS, WARM_KEYS)
+    kind = getattr(mx, dtype, None) if dtype else None
+    if not isinstance(kind, mx.Dtype):
+        return 0
+    return attention.warm_buckets(heads, kv_heads, head_dim, kind, widest, longest)
 
 
 def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple[int, int]:

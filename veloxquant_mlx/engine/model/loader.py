@@ -346,7 +346,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         layout + (" (fused attention)" if fused or kernel else ""),
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
-        "matmul" if ragged.prefill_route is not None else "sdpa",
+        {None: "sdpa", "buckets": "buckets"}.get(ragged.prefill_route, "matmul"),
         (" on a stream of its own" + (", rows joining when it is done" if joins else ""))
         if own_stream
         else "",
