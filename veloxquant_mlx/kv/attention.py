@@ -27,8 +27,10 @@ query heads as the rows of one product), for two costs MLX's own has:
   every new shape: 53-70 ms the first time a (chunk, keys) shape is met, 0.3 ms after, on an
   H200. An agent's every turn is a new shape (its new tokens over its whole context), so each
   turn paid it, and so did every stream decoding beside it. ``--prefill-attention auto`` takes
-  ``grouped_attention`` (MLX's ``exp``) for the engine's prefill chunks there: 0.7-1.7 ms a
-  layer at 2,000-8,000 keys, 2-4 ms for a new shape.
+  ``grouped_attention`` (MLX's softmax, one pass) for the engine's prefill chunks there, no
+  per-shape build; ``--prefill-attention buckets`` takes ``bucketed_attention`` instead:
+  cuDNN's flash attention over queries and keys padded to buckets, whose graphs the warm-up
+  builds (``warm_buckets``).
 
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
 ``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
@@ -263,13 +265,15 @@ def grouped_attention(
     (the last ``N`` of the ``L`` positions are the queries' own), in plain products: a KV
     head's query heads are the rows of one product (K and V read in place, no broadcast over
     heads). ``mask``: None, "causal", or a bool (True = attend) or additive array that
-    broadcasts to ``[B, 1 or H, N, L]``. The softmax is in float32, as MLX's ``precise`` one,
-    with ``exp2`` as powers of two, else MLX's ``exp``; the weights are normalised after the
-    product with V. A query that sees no position gets 0 (MLX's gives V's mean there; such
-    queries are padding). More than ``SCORES_AT_ONCE`` scores go in pieces of queries.
+    broadcasts to ``[B, 1 or H, N, L]``. With ``exp2`` the softmax is taken as powers of two
+    in float32 and the weights normalised after the product with V (five passes over
+    ``[B, H, N, L]``); without, it is MLX's ``precise`` softmax over the scores in the
+    queries' type (one fused pass). A query that sees no position gets 0 (MLX's gives V's
+    mean there; such queries are padding). More than ``SCORES_AT_ONCE`` scores go in pieces of
+    queries.
 
-    Cost: two products of ``B * H * N * L * D`` each and five passes over ``[B, H, N, L]``.
-    Lazy: builds the graph only, like any MLX op."""
+    Cost: two products of ``B * H * N * L * D`` each and the softmax's passes. Lazy: builds
+    the graph only, like any MLX op."""
     b, n_heads, n_q, _ = queries.shape
     length = keys.shape[2]
     if isinstance(mask, str):
