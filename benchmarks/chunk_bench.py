@@ -9,7 +9,8 @@ The engine's prefill (``engine.loop.prefill``) gives a turn stock mlx_lm caches 
 cached context with room for the rest (``kv.room``), routes their attention (``vq_route``,
 ``--prefill-attention``) and computes the output head for the last position only
 (``engine.loop.last_logits``). Timed here, per (context, chunk) and route (``matmul``:
-``kv.attention.grouped_attention``; ``buckets``: ``kv.attention.bucketed_attention``;
+``kv.chunk_attention.grouped_attention``; ``buckets``:
+``kv.chunk_attention.bucketed_attention``;
 ``sdpa``: MLX's own, on CUDA cuDNN, which builds a graph per new shape): that forward's median
 over ``--repeats`` after one warm-up, and of building its graph (the model's Python call),
 with the bytes it must read (weights + the context's K and V) over ``--peak-gbs`` as the
@@ -87,11 +88,11 @@ def attention_variants(model: Any, context: int, chunk: int, repeats: int) -> di
     its largest difference from MLX's own (``grouped``: MLX's softmax in one pass, the
     ``matmul`` prefill route; ``passes``: the powers-of-two softmax in five passes over float32
     scores, a CPU's; ``sdpa``: MLX's own, cuDNN on CUDA; ``buckets``:
-    ``kv.attention.bucketed_attention``). The keys are a slice of a buffer with room after
+    ``kv.chunk_attention.bucketed_attention``). The keys are a slice of a buffer with room after
     them, as in a prefill cache."""
     import mlx.core as mx
 
-    from veloxquant_mlx.kv.attention import bucketed_attention, grouped_attention
+    from veloxquant_mlx.kv.chunk_attention import bucketed_attention, grouped_attention
 
     args = model.args
     dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads

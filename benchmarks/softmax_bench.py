@@ -6,8 +6,8 @@
 First the element cost of ``mx.exp`` and ``mx.power(2, x)`` (ns an element, 2M float32), then
 one forward of each model: ``new`` tokens over ``cached`` tokens already in stock mlx_lm
 caches, with mlx_lm's attention (``mx.fast.scaled_dot_product_attention``) and with
-``kv.attention.grouped_attention`` (``--attention-softmax exp2``, the CPU default), alternating,
-the median of ``--repeats``. ``new`` = 1 is a decode step. Prints a Markdown table.
+``kv.chunk_attention.grouped_attention`` (``--attention-softmax exp2``, the CPU default),
+alternating, the median of ``--repeats``. ``new`` = 1 is a decode step. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def forward_ms(model: Any, cached: int, new: int, repeats: int, exp2: bool) -> f
     from mlx_lm.models import base
     from mlx_lm.models.cache import make_prompt_cache
 
-    from veloxquant_mlx.kv.attention import grouped_attention
+    from veloxquant_mlx.kv.chunk_attention import grouped_attention
 
     def ours(q: Any, k: Any, v: Any, cache: Any, scale: float, mask: Any, sinks: Any = None):
         return grouped_attention(q, k, v, scale, mask)

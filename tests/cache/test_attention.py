@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import base, llama
 
-from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv import attention, chunk_attention
 from veloxquant_mlx.kv.attention import RaggedAttention
 from veloxquant_mlx.kv.dense import DenseKV
 from veloxquant_mlx.kv.paged import PagedKV
@@ -92,12 +92,12 @@ def test_prefill_by_matmul_is_auto_on_cuda_only_and_can_be_chosen():
 
 def test_key_buckets_are_four_an_octave_and_never_shorter():
     lengths = range(1, 40_000, 7)
-    buckets = {attention.key_bucket(n) for n in lengths}
-    assert all(attention.key_bucket(n) >= n for n in lengths)
-    most = attention.KEY_BUCKET_MIN
-    assert all(attention.key_bucket(n) <= n + max(most, n // 4) for n in lengths)
+    buckets = {chunk_attention.key_bucket(n) for n in lengths}
+    assert all(chunk_attention.key_bucket(n) >= n for n in lengths)
+    most = chunk_attention.KEY_BUCKET_MIN
+    assert all(chunk_attention.key_bucket(n) <= n + max(most, n // 4) for n in lengths)
     assert len([b for b in buckets if 16_384 <= b < 32_768]) == 4
-    assert attention.key_bucket(8192) == 8192 and attention.key_bucket(8193) == 10240
+    assert chunk_attention.key_bucket(8192) == 8192 and chunk_attention.key_bucket(8193) == 10240
 
 
 def test_buckets_are_chosen_by_name_only():
@@ -114,12 +114,14 @@ def test_bucketed_attention_is_causal_attention_over_the_unpadded_keys(n_q, leng
     q, k, v = (a[:1] for a in prefill_qkv(n_q, 8, 2, length))
     buffer = [mx.concatenate([a, mx.ones_like(a)], axis=2) for a in (k, v)]
     for keys, values in ((k, v), (buffer[0][:, :, :length], buffer[1][:, :, :length])):
-        ours = attention.bucketed_attention(q, keys, values, 0.25, "causal")
+        ours = chunk_attention.bucketed_attention(q, keys, values, 0.25, "causal")
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
         assert mx.allclose(ours, theirs, atol=1e-5).item()
     per_row = (mx.arange(n_q)[:, None] + (length - n_q)) >= mx.arange(length)[None]
-    ours = attention.bucketed_attention(q, k, v, 0.25, per_row)
-    assert mx.allclose(ours, attention.grouped_attention(q, k, v, 0.25, per_row, False)).item()
+    ours = chunk_attention.bucketed_attention(q, k, v, 0.25, per_row)
+    assert mx.allclose(
+        ours, chunk_attention.grouped_attention(q, k, v, 0.25, per_row, False)
+    ).item()
 
 
 def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d: int = 16):
@@ -152,7 +154,7 @@ def test_grouped_attention_equals_mlx_attention_under_every_mask_kind(
     ) | (cols[None, None] == 0)
     masks: list = [None, "causal", per_row, mx.where(per_row, 0.0, -mx.inf), per_head]
     for mask in masks:
-        ours = attention.grouped_attention(q, k, v, scale, mask, exp2)
+        ours = chunk_attention.grouped_attention(q, k, v, scale, mask, exp2)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         assert ours.shape == theirs.shape == (2, n_heads, n_q, 16)
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
@@ -163,10 +165,10 @@ def test_grouped_attention_takes_a_long_chunk_in_pieces_of_queries(monkeypatch):
     mask: the same numbers as at once."""
     q, k, v = prefill_qkv(37, 8, 2, 90)
     per_row = (mx.arange(37)[:, None] + 53) >= mx.arange(90)[None]
-    whole = [attention.grouped_attention(q, k, v, 0.25, m) for m in ("causal", per_row)]
-    monkeypatch.setattr(attention, "SCORES_AT_ONCE", 2 * 8 * 90 * 5)  # 5 queries a piece
+    whole = [chunk_attention.grouped_attention(q, k, v, 0.25, m) for m in ("causal", per_row)]
+    monkeypatch.setattr(chunk_attention, "SCORES_AT_ONCE", 2 * 8 * 90 * 5)  # 5 queries a piece
     for mask, expected in zip(("causal", per_row), whole, strict=True):
-        pieces = attention.grouped_attention(q, k, v, 0.25, mask)
+        pieces = chunk_attention.grouped_attention(q, k, v, 0.25, mask)
         assert mx.allclose(pieces, expected, atol=1e-6).item()
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
         assert mx.allclose(pieces, theirs, atol=1e-5).item()
@@ -180,7 +182,7 @@ def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
     for dtype in (mx.float32, mx.float16):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
         mask = mx.array([[True, False, False], [False, False, False], [True, True, True]])
-        ours = attention.grouped_attention(q, k, v, 0.25, mask[None, None])
+        ours = chunk_attention.grouped_attention(q, k, v, 0.25, mask[None, None])
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask[None, None])
         assert not mx.isnan(ours).any().item()
         assert (ours[:, :, 1] == 0).all().item()
@@ -190,7 +192,7 @@ def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
 
 def test_grouped_attention_keeps_a_half_precision_type_and_softmaxes_in_float32():
     q, k, v = (a.astype(mx.float16) for a in prefill_qkv(5, 4, 2, 30))
-    ours = attention.grouped_attention(q, k, v, 0.25, "causal")
+    ours = chunk_attention.grouped_attention(q, k, v, 0.25, "causal")
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert ours.dtype == mx.float16
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=2e-3).item()

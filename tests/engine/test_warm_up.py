@@ -187,7 +187,7 @@ def test_a_warm_up_with_a_long_conversation_finds_its_turn_cached_and_leaves_not
 
 def test_bucketed_prefill_attention_builds_its_shapes_before_ready(make_engine, caplog):
     """``--prefill-attention buckets``: the warm-up also runs every (queries, keys) bucket up
-    to the context window (``kv.attention.warm_buckets``), then serves as before."""
+    to the context window (``kv.chunk_attention.warm_buckets``), then serves as before."""
     with caplog.at_level(logging.INFO, logger="veloxquant.engine"):
         engine = make_engine(
             kv_cache_mb=16, warm_up="on", max_running=2, prefill_step=128,

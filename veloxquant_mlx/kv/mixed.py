@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.kv.attention import RaggedAttention, grouped_attention, matmul_attention
+from veloxquant_mlx.kv.attention import RaggedAttention, matmul_attention
+from veloxquant_mlx.kv.chunk_attention import grouped_attention
 from veloxquant_mlx.kv.codec import KVCodec
 from veloxquant_mlx.kv.dense import DenseKV
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV

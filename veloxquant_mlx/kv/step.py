@@ -28,7 +28,7 @@ class StepBatch:
         positions: Where each row's new token goes (= its tokens already in KV), [rows].
         matmul: A masked step attends through ``kv.attention.matmul_attention``.
         width_chunk: A masked step reads its keys in multiples of this many positions.
-        exp2: Every layer attends through ``kv.attention.grouped_attention`` with its softmax
+        exp2: Every layer attends through ``kv.chunk_attention.grouped_attention`` with its softmax
             as powers of two (the CPU's).
 
     ``width`` is the positions every row's keys span after the write (max position + 1);

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.prefix_cache import CacheCounts
 from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
-from veloxquant_mlx.kv import attention
+from veloxquant_mlx.kv import chunk_attention
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.core import EngineCore
@@ -156,7 +156,7 @@ def prefill_attention_shapes(
 ) -> int:
     """With ``--prefill-attention buckets``, build cuDNN's graphs for every bucketed chunk
     shape up to ``widest`` tokens over up to ``WARM_KEYS`` keys (or the context window):
-    ``kv.attention.warm_buckets``. Returns how many shapes ran (0 for another route, or a
+    ``kv.chunk_attention.warm_buckets``. Returns how many shapes ran (0 for another route, or a
     model whose arguments do not name its heads)."""
     if core.runner.kv.ragged.prefill_route != "buckets":
         return 0
@@ -170,7 +170,7 @@ def prefill_attention_shapes(
     kind = getattr(mx, dtype, None) if dtype else None
     if not isinstance(kind, mx.Dtype):
         return 0
-    return attention.warm_buckets(heads, kv_heads, head_dim, kind, widest, longest)
+    return chunk_attention.warm_buckets(heads, kv_heads, head_dim, kind, widest, longest)
 
 
 def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple[int, int]:
