@@ -39,6 +39,7 @@ def _caches(model: Any, context: int, room: int, route: str | None) -> list[Any]
     heads = args.num_key_value_heads
     dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     dtype = model.model.embed_tokens.weight.dtype
+    mx.random.seed(context)  # the same context for every route
     caches = []
     for _ in range(args.num_hidden_layers):
         c = KVCache()
@@ -49,6 +50,20 @@ def _caches(model: Any, context: int, room: int, route: str | None) -> list[Any]
         caches.append(c)
     mx.eval([(c.keys, c.values) for c in caches if context])
     return caches
+
+
+def chunk_logits(model: Any, context: int, chunk: int, route: str | None) -> Any:
+    """The logits of a chunk's last position after ``context`` cached tokens (random KV, the
+    same for every route), its attention routed by ``route`` (``vq_route``)."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.engine.loop import last_logits
+
+    caches = _caches(model, context, chunk, route)
+    tokens = mx.array([[(7 * i) % 1000 + 3 for i in range(chunk)]])
+    with last_logits.position(model, chunk - 1):
+        logits = model(tokens, cache=caches)
+    return logits[0, -1]
 
 
 def forward_ms(
