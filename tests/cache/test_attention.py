@@ -100,6 +100,21 @@ def test_key_buckets_are_four_an_octave_and_never_shorter():
     assert chunk_attention.key_bucket(8192) == 8192 and chunk_attention.key_bucket(8193) == 10240
 
 
+def test_the_warm_up_meets_every_bucket_shortest_keys_first_within_its_time():
+    shapes = chunk_attention.bucket_shapes(512, 8192)
+    assert shapes[:3] == [(64, 256), (128, 256), (256, 256)]  # no wider than its keys
+    assert [k for _, k in shapes] == sorted(k for _, k in shapes)
+    keys = {k for _, k in shapes}
+    assert max(keys) == 8192 and all(chunk_attention.key_bucket(k) == k for k in keys)
+    # every chunk of up to 512 tokens over up to 8,192 keys lands on one of them
+    for n_q, length in ((1, 5), (64, 300), (200, 4000), (512, 8192), (37, 777)):
+        if n_q > 1:
+            want = (chunk_attention.query_bucket(n_q), chunk_attention.key_bucket(length))
+            assert want in shapes, (n_q, length)
+    assert chunk_attention.warm_buckets(4, 2, 16, mx.float32, shapes[:3], 60.0) == 3
+    assert chunk_attention.warm_buckets(4, 2, 16, mx.float32, shapes, -1.0) == 0  # out of time
+
+
 def test_buckets_are_chosen_by_name_only():
     assert attention.choose("auto", gpu=True, cuda=True, prefill="buckets").prefill_route == (
         "buckets"

@@ -12,6 +12,7 @@ a server is ready. DESIGN-NOTES.md has the measurements.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -72,23 +73,40 @@ def _row_major(x: mx.array, n: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (0, n - x.shape[2]), (0, 0)])
 
 
+def bucket_shapes(widest: int, longest: int) -> list[tuple[int, int]]:
+    """Every (queries, keys) bucket of chunks of up to ``widest`` tokens over up to
+    ``longest`` keys, shortest keys first."""
+    shapes = []
+    keys = key_bucket(query_bucket(2))
+    while keys <= key_bucket(longest):
+        width = query_bucket(2)
+        while width <= min(query_bucket(widest), keys):
+            shapes.append((width, keys))
+            width *= 2
+        keys = key_bucket(keys + 1)
+    return shapes
+
+
 def warm_buckets(
-    n_heads: int, n_kv: int, head_dim: int, dtype: mx.Dtype, widest: int, longest: int
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    shapes: list[tuple[int, int]],
+    seconds: float,
 ) -> int:
-    """Run ``bucketed_attention`` once for every (queries, keys) bucket of chunks of up to
-    ``widest`` tokens over up to ``longest`` keys, so cuDNN's graphs are built before a
-    request needs them. Returns how many shapes ran. Engine thread, before ready."""
+    """Run ``bucketed_attention`` once for each of ``shapes`` (``bucket_shapes``) in order,
+    so cuDNN's graphs are built before a request needs them, for at most ``seconds``.
+    Returns how many ran. Engine thread, before ready."""
+    deadline = time.monotonic() + seconds
     n = 0
-    width = query_bucket(2)
-    while width <= query_bucket(widest):
-        keys = key_bucket(width)
-        while keys <= key_bucket(longest):
-            q = mx.zeros((1, n_heads, width, head_dim), dtype)
-            kv = mx.zeros((1, n_kv, keys, head_dim), dtype)
-            mx.eval(bucketed_attention(q, kv, kv, 1.0, "causal"))
-            n += 1
-            keys = key_bucket(keys + 1)
-        width *= 2
+    for width, keys in shapes:
+        if time.monotonic() > deadline:
+            break
+        q = mx.zeros((1, n_heads, width, head_dim), dtype)
+        kv = mx.zeros((1, n_kv, keys, head_dim), dtype)
+        mx.eval(bucketed_attention(q, kv, kv, 1.0, "causal"))
+        n += 1
     return n
 
 

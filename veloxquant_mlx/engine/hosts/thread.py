@@ -199,13 +199,13 @@ class Engine(HostBase):
                 raise RuntimeError(
                     f"the warm-up's requests failed on {rt.device}: {_first_line(exc)}"
                 ) from exc
-            shapes = prefill_attention_shapes(
+            built, shapes = prefill_attention_shapes(
                 self._core, rt.geometry.dtype, info.context_window, self.config.prefill_step
             )
             log.info(
                 "warmed up: %d requests%s in %.1f s (%d prompt tokens found cached)",
                 n,
-                f" and {shapes} prefill attention shapes" if shapes else "",
+                f" and {built} of {shapes} prefill attention shapes" if shapes else "",
                 time.monotonic() - started,
                 hits,
             )

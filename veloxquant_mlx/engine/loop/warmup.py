@@ -38,6 +38,7 @@ DECODE = 3  # tokens each request generates
 RAGGED_DECODE = 12  # tokens the ragged waves' rows generate (decoding while a prompt goes in)
 NEXT_TURN = 64  # tokens the long conversation's second turn adds
 WARM_KEYS = 32_768  # bucketed prefill attention's shapes are built up to this many keys
+WARM_BUCKET_SECONDS = 60.0  # and for at most this long (the rest are built when first met)
 
 
 def wanted(mode: str) -> bool:
@@ -153,24 +154,24 @@ def warm_up_waves(
 
 def prefill_attention_shapes(
     core: EngineCore, dtype: str, context_window: int | None, widest: int
-) -> int:
-    """With ``--prefill-attention buckets``, build cuDNN's graphs for every bucketed chunk
-    shape up to ``widest`` tokens over up to ``WARM_KEYS`` keys (or the context window):
-    ``kv.chunk_attention.warm_buckets``. Returns how many shapes ran (0 for another route, or a
-    model whose arguments do not name its heads)."""
+) -> tuple[int, int]:
+    """With ``--prefill-attention buckets``, build cuDNN's graphs for the bucketed chunk
+    shapes up to ``widest`` tokens over up to ``WARM_KEYS`` keys (or the context window),
+    shortest first, for at most ``WARM_BUCKET_SECONDS``: ``kv.chunk_attention.warm_buckets``.
+    Returns how many shapes ran and how many there are ((0, 0) for another route, or a model
+    whose arguments do not name its heads)."""
     if core.runner.kv.ragged.prefill_route != "buckets":
-        return 0
+        return 0, 0
     args: Any = getattr(core.runner.prefills.model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
-    if not isinstance(heads, int):
-        return 0
+    kind = getattr(mx, dtype, None) if dtype else None
+    if not isinstance(heads, int) or not isinstance(kind, mx.Dtype):
+        return 0, 0
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    longest = min(context_window or WARM_KEYS, WARM_KEYS)
-    kind = getattr(mx, dtype, None) if dtype else None
-    if not isinstance(kind, mx.Dtype):
-        return 0
-    return chunk_attention.warm_buckets(heads, kv_heads, head_dim, kind, widest, longest)
+    shapes = chunk_attention.bucket_shapes(widest, min(context_window or WARM_KEYS, WARM_KEYS))
+    ran = chunk_attention.warm_buckets(heads, kv_heads, head_dim, kind, shapes, WARM_BUCKET_SECONDS)
+    return ran, len(shapes)
 
 
 def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple[int, int]:
