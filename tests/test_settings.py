@@ -22,6 +22,23 @@ def test_set_values_go_to_mlx_variables_and_the_environment_wins():
     assert load_settings([]).cuda_sdpa_cache == 1024  # cuDNN's graphs of bucketed prefills
 
 
+def test_mlx_cuda_caches_lifetime_fuse_is_off_unless_asked_for():
+    """MLX's CUDA caches throw on every new shape once a process has missed more than twice
+    their capacity: a long-running server would start failing requests. Off by default, on
+    with the flag, and an operator's own environment wins either way."""
+    defaults = load_settings([])
+    values = {name: getattr(defaults, name) for name in mlx_env.VARIABLES}
+    env: dict[str, str] = {}
+    assert mlx_env.apply(values, env)["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "0"
+    on = load_settings(["--cuda-thrashing-check"])
+    assert mlx_env.apply({"cuda_thrashing_check": on.cuda_thrashing_check}, {}) == {
+        "MLX_ENABLE_CACHE_THRASHING_CHECK": "1"
+    }
+    kept = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    assert mlx_env.apply(values, kept).get("MLX_ENABLE_CACHE_THRASHING_CHECK") is None
+    assert kept["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "1"
+
+
 def test_the_flags_parse_and_are_bounded():
     s = load_settings(["--cuda-graph-ops", "100", "--cuda-graph-cache", "2000"])
     assert (s.cuda_graph_ops, s.cuda_graph_cache) == (100, 2000)

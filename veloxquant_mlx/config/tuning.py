@@ -99,6 +99,15 @@ class TuningSettings(BaseModel):
         description="On MLX's CUDA backend: CUDA graphs it keeps instantiated for reuse "
         "(MLX_CUDA_GRAPH_CACHE_SIZE); unset: MLX's default. The environment's value wins.",
     )
+    cuda_thrashing_check: bool = Field(
+        False,
+        description="On MLX's CUDA backend: its caches' lifetime fuse "
+        "(MLX_ENABLE_CACHE_THRASHING_CHECK). On, a process that has met more than twice a "
+        "cache's capacity of new shapes (CUDA graphs, cuDNN attention graphs) fails every "
+        "later new one, and a failed commit can leave MLX's command encoder unusable; a "
+        "server meets new shapes for as long as it runs, so off (the caches still evict). "
+        "The environment's value wins.",
+    )
     cuda_sdpa_cache: int | None = Field(
         1024,
         ge=1,
