@@ -142,45 +142,51 @@ def grouped_attention(
             else None
         )
     step = max(1, SCORES_AT_ONCE // max(1, b * n_heads * length))
+    piece = _grouped_exp2 if exp2 else _grouped_softmax
     if n_q <= step:
-        return _grouped(queries, keys, values, scale, mask, exp2)
+        return piece(queries, keys, values, scale, mask)
     pieces = []
     for i in range(0, n_q, step):
         m = mask
         if m is not None and m.ndim >= 2 and m.shape[-2] == n_q:
             m = m[..., i : i + step, :]
-        pieces.append(_grouped(queries[:, :, i : i + step], keys, values, scale, m, exp2))
+        pieces.append(piece(queries[:, :, i : i + step], keys, values, scale, m))
     return mx.concatenate(pieces, axis=2)
 
 
-def _grouped(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, exp2: bool
+def _grouped_mask(mask: mx.array, n_kv: int, rep: int) -> mx.array:
+    """``mask`` (broadcasting to ``[B, 1 or H, N, L]``) in the grouped scores' layout
+    ``[B, 1 or H_kv, 1 or rep, N, L]``."""
+    m = mask
+    while m.ndim < 4:
+        m = m[None]
+    return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
+
+
+def _grouped_exp2(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
-    if not exp2:
-        return _grouped_softmax(queries, keys, values, scale, mask)
+    """``grouped_attention`` with the softmax as powers of two over float32 scores (the query
+    scaled by log2(e)), normalised after the product with V."""
     b, n_heads, n_q, d = queries.shape
     n_kv, length = keys.shape[1], keys.shape[2]
     rep = n_heads // n_kv
-    base = LOG2E if exp2 else 1.0
-    q = (queries * mx.array(scale * base, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
+    q = (queries * mx.array(scale * LOG2E, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
     if scores.dtype != mx.float32:
         scores = scores.astype(mx.float32)
     if mask is not None:
-        m = mask
-        while m.ndim < 4:
-            m = m[None]
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
+        m = _grouped_mask(mask, n_kv, rep)
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, mx.array(-float("inf"), scores.dtype))
         else:
-            scores = scores + (m * base).astype(scores.dtype)
+            scores = scores + (m * LOG2E).astype(scores.dtype)
     # A row of padding that sees nothing (several prompts in one left-padded forward): its max
     # is -inf; clamped, its weights are all 0 and its output 0, not NaN (which would reach V's
     # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 3x slower there.
     top = mx.maximum(scores.max(axis=-1, keepdims=True), mx.finfo(mx.float32).min)
     shifted = scores - top
-    weights = mx.power(mx.array(2.0, mx.float32), shifted) if exp2 else mx.exp(shifted)
+    weights = mx.power(mx.array(2.0, mx.float32), shifted)
     total = weights.sum(axis=-1, keepdims=True).reshape(b, n_kv, rep * n_q, 1)
     total = mx.maximum(total, 1.0)  # >= 1 wherever a position is seen (the top one's 2^0)
     weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
@@ -201,10 +207,7 @@ def _grouped_softmax(
     scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
     seen = None
     if mask is not None:
-        m = mask
-        while m.ndim < 4:
-            m = m[None]
-        m = m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
+        m = _grouped_mask(mask, n_kv, rep)
         if m.dtype == mx.bool_:
             # the lowest finite score, not -inf: a query that sees nothing gets finite weights
             # (then its output is zeroed), never NaN
