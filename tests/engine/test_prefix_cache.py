@@ -279,3 +279,52 @@ def test_a_prompt_whose_first_token_is_its_last_caches_its_pages_without_decodin
     [(longer, _, _, _)] = run(engine, [[*prompt, 7]], max_tokens=6)
     assert longer[0] == two[0] and len(longer) == 6 and steps
     wait_idle(engine)
+
+
+def test_caching_a_leaving_rows_answer_keeps_the_next_steps_writes_in_place(make_engine):
+    """Dense layout: rows that leave while another decodes have their answers copied out of
+    the working set; no step launched after that copies the working set (a copy still pending
+    when a step writes the working set makes that write copy every layer's: MLX's peak memory
+    over each launch without a join, the previous step done before it, stays under one
+    layer's K and V; it was four, every layer copied, at each launch after a leave)."""
+    import mlx.core as mx
+
+    box: dict = {"ratios": []}
+
+    def hook() -> None:  # engine thread, before each turn
+        runner = box["engine"]._core.runner
+        if "launch" in box:
+            return
+        box["launch"] = launch = runner.launch
+
+        def measured(sampled) -> None:
+            kv = runner.kv
+            rows = sum(r is not None for r in runner.rows)
+            joined, box["rows"] = rows > box.get("rows", 0), rows
+            mx.synchronize()  # the previous step and the prefills done
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            launch(sampled)
+            mx.synchronize()
+            if kv.k and not joined:  # (a join writes its prompt's KV in with the launch)
+                layer = kv.k[0].nbytes + kv.v[0].nbytes
+                box["ratios"].append((mx.get_peak_memory() - base) / layer)
+
+        runner.launch = measured
+
+    engine = make_engine(kv_cache_mb=32, kv_layout="dense", step_hook=hook)
+    box["engine"] = engine
+    rng = random.Random(12)
+    prompts = [words(rng, 600)] + [words(rng, 20 + 5 * i) for i in range(3)]
+    limits = [120, 40, 56, 72]  # the three short ones leave while the first decodes
+    handles = [
+        engine.submit(GenerationRequest(tuple(p), n, GREEDY))
+        for p, n in zip(prompts, limits, strict=True)
+    ]
+    for h in handles:
+        _, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+    assert engine.stats().cached_blocks >= 3 * (20 + 40) // BS  # the answers were cached
+    assert len(box["ratios"]) > 100
+    copies = [(i, round(r, 2)) for i, r in enumerate(box["ratios"]) if r > 0.2]
+    assert max(box["ratios"]) < 0.5, copies

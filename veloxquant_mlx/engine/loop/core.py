@@ -215,9 +215,11 @@ class EngineCore:
                 self._absorb(sampled)
             results = []
         if launched is not None:
-            if self._launch_after and self._inflight:
-                # Built while the previous step ran; launched once MLX has let go of that
-                # step's inputs (synchronize, not its tokens: they are ready before that).
+            if (self._launch_after and self._inflight) or runner.copied_out():
+                # Built while the previous step ran (or a leaving row's pages were copied out
+                # of the working set); launched once MLX has let go of their inputs
+                # (synchronize, not the tokens: they are ready before that), so the step's
+                # writes are in place.
                 mx.synchronize()
             runner.launch(launched)
         clock.mark()

@@ -114,6 +114,7 @@ class Runner:
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
         self._deferred: list[mx.array] = []  # evaluated with the next launch
+        self._copied_out = False  # a leaving row's pages were copied since the last launch
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
@@ -243,13 +244,26 @@ class Runner:
 
     def row_pages(self, seq: Seq) -> Any:
         """``kv_of`` for the pages a leaving row generated (``Scheduler.cache_generated``):
-        in the dense layout a copy out of the row's slot of the working set."""
+        in the dense layout a copy out of the row's slot of the working set, started at once
+        (not deferred to the next launch): a read of the working set still pending when the
+        next step writes it makes that write copy every layer's working set (``copied_out``
+        says the launch must wait for it)."""
         if seq not in self.rows:
             return lambda i: None
         slot = self.rows.index(seq)
-        return self._span_source(seq, lambda a, b: self.kv.row_span(slot, a, b))
+        return self._span_source(seq, lambda a, b: self.kv.row_span(slot, a, b), at_once=True)
 
-    def _span_source(self, seq: Seq, read: Callable[[int, int], list[Any]]) -> Any:
+    def copied_out(self) -> bool:
+        """Whether a leaving row's pages were copied out of the working set since the last
+        launch (``row_pages``). MLX writes an array in place only when nothing else holds it,
+        and it holds a launched copy's input until the copy has run: the next step is
+        launched once the copy is done (``mx.synchronize``), or its first write to each
+        layer's working set copies the whole of it (BENCHMARKS.md, "Answers cached")."""
+        return self._copied_out
+
+    def _span_source(
+        self, seq: Seq, read: Callable[[int, int], list[Any]], at_once: bool = False
+    ) -> Any:
         bs = self.block_size
         region: list[Any] = []  # [(first page index, [(k, v) per layer])]
 
@@ -259,7 +273,12 @@ class Runner:
             if not region:
                 end = min(seq.n_kv, len(seq.tokens)) // bs * bs
                 span = tree_map(mx.contiguous, read(i * bs, end))  # quantized: 3 parts each
-                self.defer([x for _, x in tree_flatten(span)])  # type: ignore[misc,str-unpack]
+                flat: list[mx.array] = [x for _, x in tree_flatten(span)]  # type: ignore[misc,str-unpack]
+                if at_once:
+                    mx.async_eval(flat)
+                    self._copied_out = True
+                else:
+                    self.defer(flat)
                 region.append((i, span))
             first, span = region[0]
             return span, i - first
@@ -305,6 +324,7 @@ class Runner:
         """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later),
         with whatever was deferred to it (``defer``)."""
         extra, self._deferred = self._deferred, []
+        self._copied_out = False
         mx.async_eval(sampled.tokens, *_logprob_arrays(sampled.drawn), *sampled.drawn.state, *extra)
 
     def defer(self, arrays: list[mx.array]) -> None:
