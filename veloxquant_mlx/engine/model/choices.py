@@ -21,9 +21,8 @@ PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
 # In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
 # while at most this many requests run: each copy out of the working set makes the next step
-# copy every layer's working set instead of updating it in place, a cost that grows with the
-# batch (the H200, 1B shape, 128 clients: 0.75x of the throughput; BENCHMARKS.md, "Answers
-# cached"), while agents run a few sessions.
+# wait for it before its launch (``Runner.copied_out``), a cost that grows with the batch (at
+# 128 clients a row leaves almost every step), while agents run a few sessions.
 ANSWERS_UP_TO = 16
 
 
