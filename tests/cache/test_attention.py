@@ -75,11 +75,13 @@ def test_the_exp2_softmax_is_auto_on_a_cpu_only_and_can_be_chosen():
         attention.choose("auto", softmax="exp10")
 
 
-def test_prefill_by_matmul_is_auto_on_cuda_only_and_can_be_chosen():
-    """cuDNN (CUDA) builds a graph per new prefill shape; Metal and the CPU have no such cost
-    (the CPU's prefill is grouped anyway, for its exp2 softmax)."""
+def test_prefill_by_buckets_is_auto_on_cuda_only_and_matmul_can_be_chosen():
+    """cuDNN (CUDA) builds a graph per new prefill shape, so there prefill attends over
+    bucketed shapes (whose graphs the warm-up builds); Metal and the CPU have no such cost (the
+    CPU's prefill is grouped anyway, for its exp2 softmax)."""
     cuda = attention.choose("auto", gpu=True, cuda=True)
-    assert cuda.prefill_matmul and cuda.prefill_route == "exp"
+    assert cuda.prefill_buckets and cuda.prefill_route == "buckets"
+    assert attention.choose("auto", gpu=True, cuda=True, prefill="matmul").prefill_route == "exp"
     metal = attention.choose("auto", gpu=True, cuda=False)
     assert not metal.prefill_matmul and metal.prefill_route is None
     cpu = attention.choose("auto", gpu=False)
@@ -115,7 +117,7 @@ def test_the_warm_up_meets_every_bucket_shortest_keys_first_within_its_time():
     assert chunk_attention.warm_buckets(4, 2, 16, mx.float32, shapes, -1.0) == 0  # out of time
 
 
-def test_buckets_are_chosen_by_name_only():
+def test_buckets_are_chosen_by_name_off_cuda():
     assert attention.choose("auto", gpu=True, cuda=True, prefill="buckets").prefill_route == (
         "buckets"
     )

@@ -37,8 +37,8 @@ class TuningSettings(BaseModel):
         description="How a prefill chunk attends: sdpa (MLX's; on CUDA cuDNN, which builds a "
         "graph for every new chunk and context length, 20-70 ms), matmul (plain products, "
         "KV heads' query heads as rows, MLX's softmax), buckets (MLX's over the keys padded "
-        "to one of 4 lengths an octave, so cuDNN meets a bounded number of shapes), auto "
-        "(matmul on CUDA, sdpa elsewhere).",
+        "to one of 4 lengths an octave, so cuDNN meets a bounded number of shapes, built by "
+        "the warm-up), auto (buckets on CUDA, sdpa elsewhere).",
     )
     prefill_bucket: int | None = Field(
         None,

@@ -64,8 +64,8 @@ class EngineConfig:
     # of two), "auto" (exp2 on a CPU, where MLX's exp is slow; exp on a GPU).
     attention_softmax: str = "auto"
     # How the engine's prefill chunks attend (kv/attention.py): "sdpa" (MLX's), "matmul"
-    # (grouped products), "buckets" (MLX's over bucketed shapes), "auto" (matmul on CUDA,
-    # where cuDNN builds a graph per new shape).
+    # (grouped products), "buckets" (MLX's over bucketed shapes), "auto" (buckets on CUDA,
+    # where cuDNN builds a graph per new shape: the warm-up builds the buckets').
     prefill_attention: str = "auto"
     # How sampled rows' top_p / top_k cut is found ("sort", "histogram" or "auto";
     # request/sampling.py, model/choices.py sampling_cut).

@@ -27,10 +27,11 @@ queries (a KV head's query heads as the rows of one product), for two costs MLX'
   every new shape: 53-70 ms the first time a (chunk, keys) shape is met, 0.3 ms after, on an
   H200. An agent's every turn is a new shape (its new tokens over its whole context), so each
   turn paid it, and so did every stream decoding beside it. ``--prefill-attention auto`` takes
-  ``grouped_attention`` (MLX's softmax, one pass) for the engine's prefill chunks there, no
-  per-shape build; ``--prefill-attention buckets`` takes ``bucketed_attention`` instead:
-  cuDNN's flash attention over queries and keys padded to buckets, whose graphs the warm-up
-  builds (``kv.chunk_attention``).
+  ``bucketed_attention`` there: cuDNN's flash attention over queries and keys padded to
+  buckets, whose graphs the warm-up builds (``kv.chunk_attention``); ``--prefill-attention
+  matmul`` takes ``grouped_attention`` (MLX's softmax, one pass), no per-shape build but
+  scores materialised (4x cuDNN's time for a 512-token chunk over 16,000 keys on an H100;
+  BENCHMARKS.md, "A cached turn's prefill chunk by attention route").
 
 ``install`` also routes the paged layout's fused steps (``StepCache.fused``) to
 ``PagedKV.attend`` (``kv.paged_attention``), which attends through the block tables.
@@ -88,7 +89,7 @@ class RaggedAttention:
     def prefill_route(self) -> str | None:
         """How the engine's prefill caches attend (``vq_route``): "exp2", "buckets"
         (``bucketed_attention``), "exp" (grouped, MLX's softmax) or None (MLX's attention)."""
-        if self.prefill_buckets:  # only where asked for, so before the CPU's exp2
+        if self.prefill_buckets:  # CUDA or asked for: before the CPU's exp2
             return "buckets"
         if self.exp2:
             return "exp2"
@@ -123,9 +124,10 @@ def choose(
     or "exp2") and ``prefill`` ("auto", "sdpa" or "matmul"): ``auto`` is the measured best for
     the device (``gpu``, ``cuda``; default: MLX's default device and backend): ragged steps by
     matmul from ``AUTO_MATMUL_MIN_ROWS`` rows on a GPU, MLX's own on a CPU, where both are the
-    same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast); prefill by matmul on
-    CUDA only (cuDNN's per-shape graphs; Metal's attention has none), and there prefill widths
-    padded to multiples of ``CUDA_PREFILL_BUCKET`` (``bucket``: that multiple, 0 none)."""
+    same ops; the exp2 softmax on a CPU only (a GPU's ``exp`` is fast); prefill by bucketed
+    shapes on CUDA only (cuDNN's per-shape graphs, built by the warm-up; Metal's attention has
+    none), and there prefill widths padded to multiples of ``CUDA_PREFILL_BUCKET`` (``bucket``:
+    that multiple, 0 none)."""
     for value, allowed, what in (
         (requested, MODES, "ragged attention"),
         (softmax, SOFTMAXES, "attention softmax"),
@@ -137,8 +139,8 @@ def choose(
     if cuda is None:
         cuda = on_gpu and cuda_available()
     exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
-    prefill_matmul = prefill == "matmul" or (prefill == "auto" and cuda)
-    buckets = prefill == "buckets"
+    prefill_matmul = prefill == "matmul"
+    buckets = prefill == "buckets" or (prefill == "auto" and cuda)
     if bucket is None:
         bucket = CUDA_PREFILL_BUCKET if cuda else 0
     if bucket < 0:
