@@ -1,11 +1,12 @@
 """How long a long prompt arriving pauses the streams already decoding, per prefill budget.
 
     python -m benchmarks.stall_bench [--model embedded|100m] [--budgets auto,2048,512,64]
-        [--prompt-tokens 1900] [--streams 2] [--repeats 3] [--from-disk]
+        [--parts 1,4] [--prompt-tokens 1900] [--streams 2] [--repeats 3] [--from-disk]
 
-For each budget it starts our server (``--prefill-budget B``, the prompt tokens a step carries
-beside decoding rows; ``auto`` leaves it to the backend's default; ``--stream-interval-ms 0``
-so every token is seen as it is made) and measures:
+For each budget (and each ``--parts``: ``--prefill-parts P``, a chunk launched over P steps, a
+run of its layers each) it starts our server (``--prefill-budget B``, the prompt tokens a step
+carries beside decoding rows; ``auto`` leaves it to the backend's default;
+``--stream-interval-ms 0`` so every token is seen as it is made) and measures:
 
 - the long prompt's cold prefill alone: TTFT of a fresh prompt of ``--prompt-tokens`` tokens;
 - the stall: ``--streams`` streams decoding, then a fresh long prompt arrives; the longest gap
@@ -130,6 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded", choices=("embedded", "100m"))
     p.add_argument("--budgets", default="auto,2048,512,64")
+    p.add_argument("--parts", default="1", help="--prefill-parts values, e.g. 1,4")
     p.add_argument("--prompt-tokens", type=int, default=1900)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -140,7 +142,7 @@ def main() -> None:
     rows = []
     try:
         path = model_dir(args.model, work)
-        for budget in args.budgets.split(","):
+        for budget, parts in itertools.product(args.budgets.split(","), args.parts.split(",")):
             port = free_port()
             cmd = [sys.executable, "-m", "veloxquant_mlx.server", "--model", str(path),
                    "--port", str(port), "--admin-key", ADMIN_KEY,
@@ -151,7 +153,8 @@ def main() -> None:
                 cmd += ["--no-prefix-caching"]
             if budget != "auto":
                 cmd += ["--prefill-budget", budget]
-            with server(cmd, port, ours_env, work / f"ours-{budget}.log"):
+            cmd += ["--prefill-parts", parts]
+            with server(cmd, port, ours_env, work / f"ours-{budget}-{parts}.log"):
                 base = f"http://127.0.0.1:{port}"
                 runs = [
                     asyncio.run(
@@ -160,21 +163,21 @@ def main() -> None:
                     for seed in range(args.repeats)
                 ]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append((budget, med))
-            print(f"budget {budget}: {med}", file=sys.stderr)
+            rows.append((budget, parts, med))
+            print(f"budget {budget}, parts {parts}: {med}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     what = "known (its pages on disk)" if args.from_disk else "fresh"
     print(f"{args.model} model, a {what} {args.prompt_tokens}-token prompt arriving while "
           f"{args.streams} streams decode (medians of {args.repeats}):\n")  # fmt: skip
     print(
-        "| prefill budget | cold prefill ms | stall ms | stall / cold | ITL p50 ms "
+        "| prefill budget | parts | cold prefill ms | stall ms | stall / cold | ITL p50 ms "
         "| loaded TTFT ms |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
-    for budget, m in rows:
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for budget, parts, m in rows:
         print(
-            f"| {budget} | {m['cold_ms']:.0f} | {m['stall_ms']:.0f} | "
+            f"| {budget} | {parts} | {m['cold_ms']:.0f} | {m['stall_ms']:.0f} | "
             f"{m['stall_over_cold']:.2f} | {m['itl_p50_ms']:.1f} | {m['ttft_loaded_ms']:.0f} |"
         )
 

@@ -69,6 +69,14 @@ class TuningSettings(BaseModel):
         "the agent benchmark's TTFT p50 was 15-40% higher and its inter-token p99 no lower "
         "but in one of two 8B runs).",
     )
+    prefill_parts: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="While other requests decode, launch a prompt's chunk over this many "
+        "steps, a run of its layers each, so each of their steps waits for a part of the "
+        "chunk instead of all of it; 1: the whole chunk in one step.",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

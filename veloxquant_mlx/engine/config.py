@@ -83,6 +83,10 @@ class EngineConfig:
     # "now" (the step built with its last chunk, which then waits for that chunk), "ready"
     # (the first step built once its prefill is probably done on the device).
     prefill_join: str = "now"
+    # Launch a prompt's chunk over this many engine turns while other rows decode, a run of
+    # its layers a turn (loop/layer_capture.py): each of their steps then waits for a part of
+    # the chunk's launches, not all. 1: the whole chunk in one turn.
+    prefill_parts: int = 1
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

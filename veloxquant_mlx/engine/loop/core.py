@@ -181,7 +181,7 @@ class EngineCore:
         """One step: the scheduler's plan, carried out (schedule -> run -> deliver)."""
         sched, runner, clock = self.scheduler, self.runner, self._clock
         clock.start()
-        plan = sched.schedule()
+        plan = sched.schedule(prefill=not runner.staging())
         clock.mark()
         for seq in plan.unservable:
             self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)

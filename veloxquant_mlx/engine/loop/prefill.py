@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from veloxquant_mlx.engine.loop import last_logits
+from veloxquant_mlx.engine.loop import last_logits, layer_capture
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq
@@ -23,6 +24,18 @@ from veloxquant_mlx.kv.room import joined, make_room
 
 if TYPE_CHECKING:
     from veloxquant_mlx.engine.loop.runner import Sampled
+
+
+@dataclass(slots=True)
+class Staged:
+    """A chunk's forward, built, to be launched in parts (``--prefill-parts``): ``stages``
+    (hidden states after runs of layers) one an engine turn, then ``final`` (its caches, for a
+    chunk with more to come) or, for a prompt's last chunk, ``done`` (``Runner._complete``)."""
+
+    seq: Seq
+    stages: list[mx.array]
+    final: list[Any]
+    done: Prefilled | None
 
 
 class Prefiller:
@@ -38,6 +51,8 @@ class Prefiller:
         sample_first: The runner's sampling of prompts' first tokens from their last logits.
         launched: A forward of this many tokens is launched: when it should be done (the join
             clock's), or None.
+        parts: Launch a chunk's forward over this many engine turns while rows decode
+            (``chunk``'s ``split``; ``--prefill-parts``): each turn a run of its layers.
     """
 
     def __init__(
@@ -48,8 +63,10 @@ class Prefiller:
         own_stream: bool,
         sample_first: Callable[[list[Seq], mx.array], Sampled],
         launched: Callable[[int], Launch | None],
+        parts: int = 1,
     ) -> None:
         self.model = model
+        self.parts = parts if parts > 1 and layer_capture.install(model) else 1
         self.kv = kv
         self._n_layers = n_layers
         self.own_stream = own_stream
@@ -65,9 +82,11 @@ class Prefiller:
             self._stream = mx.new_stream(mx.default_device())
         return mx.stream(self._stream)
 
-    def chunk(self, chunk: Chunk) -> Prefilled | None:
+    def chunk(self, chunk: Chunk, split: bool = False) -> Prefilled | Staged | None:
         """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
-        its first token sampled and its KV (``Prefilled``), else None."""
+        its first token sampled and its KV (``Prefilled``), else None. With ``split`` (rows
+        decode and ``parts`` > 1) nothing is launched: the built forward comes back as a
+        ``Staged`` for the runner to launch a part an engine turn."""
         seq = chunk.seq
         state = seq.state
         assert state is not None
@@ -80,20 +99,30 @@ class Prefiller:
         extra = -chunk.n % bucket if bucket else 0
         launch = self._launched(chunk.n + extra)
         last = chunk.n - 1  # the position a completing chunk samples from
-        with self.stream(), last_logits.position(self.model, last):
+        split = split and self.parts > 1
+        with (
+            self.stream(),
+            last_logits.position(self.model, last),
+            layer_capture.capturing(self.model, split) as outputs,
+        ):
             logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
             if extra:
                 for cache in state.caches:
                     cache.trim(extra)
+            stages = layer_capture.stages(outputs, self._n_layers, self.parts) if split else []
             if not chunk.completes:  # the next chunk builds on these: start them now
                 if not chunk.start:  # the first chunk of an uncached prompt
                     make_room(state.caches, len(seq.tokens) + bucket)
-                mx.async_eval([(c.keys, c.values) for c in state.caches])
+                final = [(c.keys, c.values) for c in state.caches]
+                if stages:
+                    return Staged(seq, stages, final, None)
+                mx.async_eval(final)
                 return None
             sampled = self._sample_first([seq], last_logits.row(logits, last))
             layers = _filled(state.caches)
         state.next_input = sampled.tokens
-        return Prefilled(sampled, [(seq, layers)], launch)
+        done = Prefilled(sampled, [(seq, layers)], launch)
+        return Staged(seq, stages, [], done) if stages else done
 
     def together(self, seqs: list[Seq]) -> Prefilled:
         """Prefill several whole prompts (each at most one chunk) in one left-padded forward

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
-from veloxquant_mlx.engine.loop.prefill import Prefiller
+from veloxquant_mlx.engine.loop.prefill import Prefiller, Staged
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -106,6 +106,7 @@ class Runner:
         prefill_stream: bool = False,
         join_when_ready: bool = False,
         sampling_cut: str = "sort",
+        prefill_parts: int = 1,
     ) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
@@ -121,8 +122,15 @@ class Runner:
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
         self._joins = JoinQueue() if prefill_stream and join_when_ready else None
         self.prefills = Prefiller(
-            model, kv, self._n_layers, prefill_stream, self._sample_first, self._launched
+            model,
+            kv,
+            self._n_layers,
+            prefill_stream,
+            self._sample_first,
+            self._launched,
+            prefill_parts,
         )
+        self._staged: list[Staged] = []  # chunks launched a part a turn, oldest first
 
     @property
     def model(self) -> Any:
@@ -140,11 +148,42 @@ class Runner:
         each chunk. Returns the first tokens of the rows that joined the batch: those of an
         earlier prefill whose time came (``join_when_ready``), then this step's."""
         results = self._due()
+        self._advance(results)
         if plan.together:
             self._completed(self.prefills.together(plan.together), results)
+        decoding = any(r is not None for r in self.rows)
         for chunk in plan.chunks:  # each completes before the next is built
-            self._completed(self.prefills.chunk(chunk), results)
+            built = self.prefills.chunk(chunk, split=decoding and not self._staged)
+            if isinstance(built, Staged):
+                mx.async_eval(built.stages.pop(0))  # its first part now, the rest a turn each
+                self._staged.append(built)
+            else:
+                self._completed(built, results)
         return results
+
+    def staging(self) -> bool:
+        """Whether a chunk's forward is being launched a part a turn (``--prefill-parts``):
+        the scheduler plans no prefill meanwhile (its budget would run ahead of the
+        launches)."""
+        return bool(self._staged)
+
+    def _advance(self, results: list[Sampled]) -> None:
+        """Launch the next part of the oldest staged chunk (all of every one where no row
+        decodes: nobody's step waits); a chunk whose parts are all launched is launched
+        whole: its caches, or its first token, its rows joining (``_completed``)."""
+        decoding = any(r is not None for r in self.rows)
+        while self._staged:
+            staged = self._staged[0]
+            if staged.stages:
+                mx.async_eval(staged.stages.pop(0))
+            else:
+                self._staged.pop(0)
+                if staged.done is None:
+                    mx.async_eval(staged.final)
+                else:
+                    self._completed(staged.done, results)
+            if decoding:
+                return
 
     def _completed(self, done: Prefilled | None, results: list[Sampled]) -> None:
         """A prefill's last forward launched (``done``; None: a chunk with more to come):
@@ -398,6 +437,7 @@ class Runner:
         if state is None:
             return
         state.caches = None
+        self._staged = [s for s in self._staged if s.seq is not seq]
         if not state.joined:
             if self._joins is not None:
                 self._joins.forget(seq)

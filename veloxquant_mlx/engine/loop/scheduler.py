@@ -372,19 +372,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the plan
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, prefill: bool = True) -> StepPlan:
         """Decide this step: take back slots a group holds over its fair share while another
         waits, admit, make room for every decoding row's next token (preempting the newest
-        requests while the pool is out), then spend the prefill budget.
+        requests while the pool is out), then spend the prefill budget (not with ``prefill``
+        False: a chunk planned earlier is still being launched a part a turn).
         Writes the planned ``n_kv`` of the prefilled requests; ``decoded`` advances the
         decoding rows' once the step is built."""
         plan = StepPlan()
         self.reclaim(plan)
         plan.admitted, plan.unservable = self.admit()
         self.make_room(plan)
-        plan_prefill(
-            plan, self.running, self.prefill_budget, self.idle_prefill_budget, self.prefill_step
-        )
+        if prefill:
+            plan_prefill(
+                plan,
+                self.running,
+                self.prefill_budget,
+                self.idle_prefill_budget,
+                self.prefill_step,
+            )
         for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
             # Admission took blocks for the prompt and the first token: nothing to grow.
             need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)

@@ -305,7 +305,16 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         last_logits.install(model)  # a prompt's forward projects only the position it samples
     own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
     joins = prefill_join(cfg)
-    runner = Runner(model, kv, vocab_size, cfg.block_size, own_stream, joins, sampling_cut(cfg))
+    runner = Runner(
+        model,
+        kv,
+        vocab_size,
+        cfg.block_size,
+        own_stream,
+        joins,
+        sampling_cut(cfg),
+        prefill_parts=cfg.prefill_parts,
+    )
     scheduler = Scheduler(
         pool,
         geometry.n_layers_total,

@@ -1,0 +1,118 @@
+"""``--prefill-parts``: while rows decode, a prompt's chunk is launched over several engine
+turns, a run of its layers a turn, with their decode steps between. Every request gets the
+same greedy tokens as with the chunk launched whole; the chunks' launches were spread over
+turns; nothing is planned meanwhile; a request that leaves while its chunk is being launched
+leaves nothing behind. The parts themselves: the hidden states that end each run of layers."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.engine.loop import layer_capture
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _serve(make_engine, parts: int, **overrides) -> tuple[list[list[int]], int]:
+    """Two short requests decoding, then a 300-token prompt arriving (chunks of 64 beside
+    them); every request's tokens, and the turns that began with a chunk being launched."""
+    box: dict = {"staging": 0}
+
+    def hook() -> None:  # engine thread, before each turn
+        if "engine" in box and box["engine"]._core.runner.staging():
+            box["staging"] += 1
+
+    engine = make_engine(
+        kv_cache_mb=32, prefill_budget=64, prefix_caching=False, prefill_parts=parts,
+        step_hook=hook, **overrides,
+    )  # fmt: skip
+    box["engine"] = engine
+    rng = random.Random(5)
+    short = [[rng.randrange(3, 2000) for _ in range(12)] for _ in range(2)]
+    long = [rng.randrange(3, 2000) for _ in range(300)]
+    handles = [engine.submit(GenerationRequest(tuple(p), 60, GREEDY)) for p in short]
+    first = next(iter(handles[0].events(60)))  # decoding before the long one arrives
+    assert isinstance(first, TokenEvent)
+    handles.append(engine.submit(GenerationRequest(tuple(long), 8, GREEDY)))
+    out = []
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
+        out.append([t.token_id for t in tokens])
+    out[0].insert(0, first.token_id)
+    return out, box["staging"]
+
+
+def test_a_chunk_launched_in_parts_gives_the_same_tokens(make_engine):
+    whole, staged_whole = _serve(make_engine, 1)
+    parts, staged = _serve(make_engine, 4)
+    assert parts == whole
+    assert [len(t) for t in parts] == [60, 60, 8]
+    assert staged_whole == 0
+    # five chunks of the long prompt beside the decoding rows, three turns of parts each
+    assert staged >= 5 * 3, staged
+
+
+def test_parts_on_a_stream_of_their_own_give_the_same_tokens(make_engine):
+    whole, _ = _serve(make_engine, 1, prefill_stream="on")
+    parts, staged = _serve(make_engine, 2, prefill_stream="on")
+    assert parts == whole and staged >= 5
+
+
+def test_a_request_that_leaves_while_its_chunk_is_launched_leaves_nothing(make_engine):
+    box: dict = {}
+
+    def hook() -> None:  # engine thread: cancel the long one while a chunk is staged
+        engine = box.get("engine")
+        if engine is None or "long" not in box or box.get("cancelled"):
+            return
+        if engine._core.runner.staging():
+            box["cancelled"] = True
+            engine.cancel(box["long"])
+
+    engine = make_engine(kv_cache_mb=32, prefill_budget=64, prefill_parts=4, step_hook=hook)
+    box["engine"] = engine
+    rng = random.Random(9)
+    short = [engine.submit(GenerationRequest(tuple(range(5, 17)), 60, GREEDY)) for _ in range(2)]
+    assert isinstance(next(iter(short[0].events(60))), TokenEvent)
+    box["long"] = engine.submit(
+        GenerationRequest(tuple(rng.randrange(3, 2000) for _ in range(300)), 8, GREEDY)
+    )
+    tokens, finish = box["long"].collect(120)
+    assert box.get("cancelled") and tokens == []
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
+    for h in short:
+        _, done = h.collect(120)
+        assert isinstance(done, FinishEvent) and done.finish_reason == "length"
+    assert not engine._core.runner.staging()
+    # the fixture then checks the pool all free and no owner left
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "parts", "ends"), [(4, 4, [1, 2, 3]), (4, 2, [2]), (5, 3, [1, 3]), (2, 4, [1])]
+)
+def test_stages_end_even_runs_of_layers(n_layers, parts, ends):
+    outputs = [mx.array([i]) for i in range(n_layers)]
+    got = layer_capture.stages(outputs, n_layers, parts)
+    assert [int(a.item()) + 1 for a in got] == ends
+    assert layer_capture.stages(outputs, n_layers + 1, parts) == []  # not one output a layer
+    assert layer_capture.stages(outputs, n_layers, 1) == []
+
+
+def test_capture_collects_each_layers_output_and_changes_no_logits(default_model):
+    model, _ = default_model
+    assert layer_capture.install(model) and layer_capture.install(model)  # idempotent
+    tokens = mx.array([[5, 9, 200, 7, 31]])
+    plain = model(tokens)
+    with layer_capture.capturing(model) as outputs:
+        captured = model(tokens)
+    assert len(outputs) == len(model.layers)
+    assert all(o.shape == outputs[0].shape for o in outputs)
+    assert mx.array_equal(plain, captured).item()
+    with layer_capture.capturing(model, on=False) as none:
+        model(tokens)
+    assert none == []
