@@ -356,9 +356,16 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
         {None: "sdpa", "buckets": "buckets"}.get(ragged.prefill_route, "matmul"),
-        (" on a stream of its own" + (", rows joining when it is done" if joins else ""))
-        if own_stream
-        else "",
+        (
+            (" on a stream of its own" + (", rows joining when it is done" if joins else ""))
+            if own_stream
+            else ""
+        )
+        + (
+            f", a chunk in {runner.prefills.parts} parts beside decoding"
+            if runner.prefills.parts > 1
+            else ""
+        ),
         "on" if cfg.prefix_caching else "off",
         blas,
     )
