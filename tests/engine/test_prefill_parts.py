@@ -1,6 +1,6 @@
 """``--prefill-parts``: while rows decode, a prompt's chunk is launched over several engine
 turns, a run of its layers a turn, with their decode steps between. Every request gets the
-same greedy tokens as with the chunk launched whole; the chunks' launches were spread over
+same greedy tokens as with the chunk launched whole (dense, paged and int8 KV); the chunks' launches were spread over
 turns; nothing is planned meanwhile; a request that leaves while its chunk is being launched
 leaves nothing behind. The parts themselves: the hidden states that end each run of layers."""
 
@@ -47,9 +47,12 @@ def _serve(make_engine, parts: int, **overrides) -> tuple[list[list[int]], int]:
     return out, box["staging"]
 
 
-def test_a_chunk_launched_in_parts_gives_the_same_tokens(make_engine):
-    whole, staged_whole = _serve(make_engine, 1)
-    parts, staged = _serve(make_engine, 4)
+@pytest.mark.parametrize(
+    "kv", [{}, {"kv_layout": "paged"}, {"kv_format": "int8"}], ids=["dense", "paged", "int8"]
+)
+def test_a_chunk_launched_in_parts_gives_the_same_tokens(make_engine, kv):
+    whole, staged_whole = _serve(make_engine, 1, **kv)
+    parts, staged = _serve(make_engine, 4, **kv)
     assert parts == whole
     assert [len(t) for t in parts] == [60, 60, 8]
     assert staged_whole == 0
