@@ -1,8 +1,9 @@
 """``--prefill-parts``: while rows decode, a prompt's chunk is launched over several engine
 turns, a run of its layers a turn, with their decode steps between. Every request gets the
-same greedy tokens as with the chunk launched whole (dense, paged and int8 KV); the chunks' launches were spread over
-turns; nothing is planned meanwhile; a request that leaves while its chunk is being launched
-leaves nothing behind. The parts themselves: the hidden states that end each run of layers."""
+same greedy tokens as with the chunk launched whole (dense, paged and int8 KV); the chunks'
+launches were spread over turns; nothing is planned meanwhile; a request that leaves while its
+chunk is being launched leaves nothing behind. The parts themselves: the hidden states that
+end each run of layers."""
 
 from __future__ import annotations
 
