@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from tests.conftest import assert_engine_all_free, assert_pool_all_free
 from veloxquant_mlx.engine.hosts.thread import Engine, EngineConfig
+from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
 
 def refused_at_start(
@@ -23,6 +26,44 @@ def refused_at_start(
     finally:
         engine.shutdown(5)
     return info.value
+
+
+def cancelled_while(
+    make_engine: Callable[..., Engine],
+    when: Callable[[Any], bool],
+    prompt_tokens: int,
+    seed: int,
+    **overrides: Any,
+) -> Engine:
+    """Two requests decoding 60 tokens, then a fresh prompt of ``prompt_tokens`` arriving,
+    cancelled from the engine thread at the first turn ``when(runner)`` holds: it ends
+    cancelled with no token, the two by length. Returns the engine (``make_engine``'s
+    fixture then checks its pool all free and no owner left)."""
+    box: dict[str, Any] = {}
+    greedy = SamplingParams(temperature=0.0)
+
+    def hook() -> None:  # engine thread, before each turn
+        engine = box.get("engine")
+        ready = engine is not None and when(engine._core.runner)  # (called every turn)
+        if ready and "long" in box and not box.get("cancelled"):
+            box["cancelled"] = True
+            engine.cancel(box["long"])
+
+    engine = make_engine(kv_cache_mb=32, step_hook=hook, **overrides)
+    box["engine"] = engine
+    rng = random.Random(seed)
+    short = [engine.submit(GenerationRequest(tuple(range(5, 17)), 60, greedy)) for _ in range(2)]
+    assert isinstance(next(iter(short[0].events(60))), TokenEvent)
+    box["long"] = engine.submit(
+        GenerationRequest(tuple(rng.randrange(3, 2000) for _ in range(prompt_tokens)), 8, greedy)
+    )
+    tokens, finish = box["long"].collect(120)
+    assert box.get("cancelled") and tokens == []
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
+    for h in short:
+        _, done = h.collect(120)
+        assert isinstance(done, FinishEvent) and done.finish_reason == "length"
+    return engine
 
 
 def wait_idle(engine: Engine, timeout: float = 30.0) -> None:

@@ -12,6 +12,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from tests.engine.conftest import cancelled_while
 from veloxquant_mlx.engine.loop import layer_capture
 from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
@@ -68,32 +69,10 @@ def test_parts_on_a_stream_of_their_own_give_the_same_tokens(make_engine):
 
 
 def test_a_request_that_leaves_while_its_chunk_is_launched_leaves_nothing(make_engine):
-    box: dict = {}
-
-    def hook() -> None:  # engine thread: cancel the long one while a chunk is staged
-        engine = box.get("engine")
-        if engine is None or "long" not in box or box.get("cancelled"):
-            return
-        if engine._core.runner.staging():
-            box["cancelled"] = True
-            engine.cancel(box["long"])
-
-    engine = make_engine(kv_cache_mb=32, prefill_budget=64, prefill_parts=4, step_hook=hook)
-    box["engine"] = engine
-    rng = random.Random(9)
-    short = [engine.submit(GenerationRequest(tuple(range(5, 17)), 60, GREEDY)) for _ in range(2)]
-    assert isinstance(next(iter(short[0].events(60))), TokenEvent)
-    box["long"] = engine.submit(
-        GenerationRequest(tuple(rng.randrange(3, 2000) for _ in range(300)), 8, GREEDY)
+    engine = cancelled_while(
+        make_engine, lambda runner: runner.staging(), 300, 9, prefill_budget=64, prefill_parts=4
     )
-    tokens, finish = box["long"].collect(120)
-    assert box.get("cancelled") and tokens == []
-    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
-    for h in short:
-        _, done = h.collect(120)
-        assert isinstance(done, FinishEvent) and done.finish_reason == "length"
     assert not engine._core.runner.staging()
-    # the fixture then checks the pool all free and no owner left
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from tests.engine.conftest import cancelled_while
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS, JoinClock
 from veloxquant_mlx.engine.model.choices import prefill_join, prefill_stream
@@ -95,32 +96,13 @@ def test_a_row_waiting_to_join_joins_once_nobody_decodes(make_engine):
 
 
 def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine):
-    box: dict = {}
-
-    def hook() -> None:  # engine thread: the clock never calls a prefill done
-        runner = box["engine"]._core.runner
+    def waiting(runner) -> bool:  # engine thread: the clock never calls a prefill done
         runner._joins.clock.rate = 1.0
-        if runner.waiting_to_join() and "long" in box and not box.get("cancelled"):
-            box["cancelled"] = True
-            box["engine"].cancel(box["long"])
+        return runner.waiting_to_join() > 0
 
-    engine = make_engine(
-        kv_cache_mb=32, prefill_budget=32, prefill_stream="on", prefill_join="ready",
-        step_hook=hook,
-    )  # fmt: skip
-    box["engine"] = engine
-    rng = random.Random(7)
-    short = [engine.submit(GenerationRequest(tuple(range(5, 17)), 60, GREEDY)) for _ in range(2)]
-    assert isinstance(next(iter(short[0].events(60))), TokenEvent)
-    box["long"] = engine.submit(
-        GenerationRequest(tuple(rng.randrange(3, 2000) for _ in range(200)), 8, GREEDY)
+    engine = cancelled_while(
+        make_engine, waiting, 200, 7, prefill_budget=32, prefill_stream="on", prefill_join="ready"
     )
-    tokens, finish = box["long"].collect(120)
-    assert box.get("cancelled") and tokens == []
-    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
-    for h in short:
-        _, done = h.collect(120)
-        assert isinstance(done, FinishEvent) and done.finish_reason == "length"
     assert engine._core.runner.waiting_to_join() == 0
     # the fixture then checks the pool all free and no owner left
 

@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class Staged:
-    """A chunk's forward, built, to be launched in parts (``--prefill-parts``): ``stages``
+class _Staged:
+    """A chunk's forward, built, being launched in parts (``--prefill-parts``): ``stages``
     (hidden states after runs of layers) one an engine turn, then ``final`` (its caches, for a
-    chunk with more to come) or, for a prompt's last chunk, ``done`` (``Runner._complete``)."""
+    chunk with more to come) or, for a prompt's last chunk, ``done`` (``Prefiller.advance``)."""
 
     seq: Seq
     stages: list[mx.array]
@@ -73,6 +73,7 @@ class Prefiller:
         self._stream: mx.Stream | None = None  # the prefill's, once made
         self._sample_first = sample_first
         self._launched = launched
+        self._staged: list[_Staged] = []  # chunks launched a part a turn, oldest first
 
     def stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where a prefill forward and its first token run: its own stream, or the default."""
@@ -82,11 +83,40 @@ class Prefiller:
             self._stream = mx.new_stream(mx.default_device())
         return mx.stream(self._stream)
 
-    def chunk(self, chunk: Chunk, split: bool = False) -> Prefilled | Staged | None:
+    @property
+    def staging(self) -> bool:
+        """Whether a chunk's forward is being launched a part a turn (``advance``)."""
+        return bool(self._staged)
+
+    def advance(self, decoding: bool) -> list[Prefilled]:
+        """Launch the next part of the oldest staged chunk (all of every one where no row is
+        ``decoding``: nobody's step waits); a chunk whose parts are all launched is launched
+        whole. Returns the prompts whose last chunk that was, to join the batch."""
+        done: list[Prefilled] = []
+        while self._staged:
+            staged = self._staged[0]
+            if staged.stages:
+                mx.async_eval(staged.stages.pop(0))
+            else:
+                self._staged.pop(0)
+                if staged.done is None:
+                    mx.async_eval(staged.final)
+                else:
+                    done.append(staged.done)
+            if decoding:
+                break
+        return done
+
+    def forget(self, seq: Seq) -> None:
+        """``seq`` left (finish, cancel, preemption): its staged chunk, if any, is dropped."""
+        self._staged = [s for s in self._staged if s.seq is not seq]
+
+    def chunk(self, chunk: Chunk, split: bool = False) -> Prefilled | None:
         """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
         its first token sampled and its KV (``Prefilled``), else None. With ``split`` (rows
-        decode and ``parts`` > 1) nothing is launched: the built forward comes back as a
-        ``Staged`` for the runner to launch a part an engine turn."""
+        decode, ``parts`` > 1, no chunk staged already) only the first of its ``parts`` is
+        launched now and None comes back: ``advance`` launches the rest, a part a turn, and
+        returns the ``Prefilled`` of a prompt's last chunk once it is launched."""
         seq = chunk.seq
         state = seq.state
         assert state is not None
@@ -99,7 +129,7 @@ class Prefiller:
         extra = -chunk.n % bucket if bucket else 0
         launch = self._launched(chunk.n + extra)
         last = chunk.n - 1  # the position a completing chunk samples from
-        split = split and self.parts > 1
+        split = split and self.parts > 1 and not self._staged
         with (
             self.stream(),
             last_logits.position(self.model, last),
@@ -115,14 +145,23 @@ class Prefiller:
                     make_room(state.caches, len(seq.tokens) + bucket)
                 final = [(c.keys, c.values) for c in state.caches]
                 if stages:
-                    return Staged(seq, stages, final, None)
-                mx.async_eval(final)
+                    self._stage(_Staged(seq, stages, final, None))
+                else:
+                    mx.async_eval(final)
                 return None
             sampled = self._sample_first([seq], last_logits.row(logits, last))
             layers = _filled(state.caches)
         state.next_input = sampled.tokens
         done = Prefilled(sampled, [(seq, layers)], launch)
-        return Staged(seq, stages, [], done) if stages else done
+        if stages:
+            self._stage(_Staged(seq, stages, [], done))
+            return None
+        return done
+
+    def _stage(self, staged: _Staged) -> None:
+        """Launch ``staged``'s first part now; ``advance`` the rest."""
+        mx.async_eval(staged.stages.pop(0))
+        self._staged.append(staged)
 
     def together(self, seqs: list[Seq]) -> Prefilled:
         """Prefill several whole prompts (each at most one chunk) in one left-padded forward

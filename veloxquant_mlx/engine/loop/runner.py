@@ -23,7 +23,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
-from veloxquant_mlx.engine.loop.prefill import Prefiller, Staged
+from veloxquant_mlx.engine.loop.prefill import Prefiller
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -130,7 +130,6 @@ class Runner:
             self._launched,
             prefill_parts,
         )
-        self._staged: list[Staged] = []  # chunks launched a part a turn, oldest first
 
     @property
     def model(self) -> Any:
@@ -148,42 +147,20 @@ class Runner:
         each chunk. Returns the first tokens of the rows that joined the batch: those of an
         earlier prefill whose time came (``join_when_ready``), then this step's."""
         results = self._due()
-        self._advance(results)
+        decoding = any(r is not None for r in self.rows)
+        for done in self.prefills.advance(decoding):  # chunks launched a part a turn
+            self._completed(done, results)
         if plan.together:
             self._completed(self.prefills.together(plan.together), results)
-        decoding = any(r is not None for r in self.rows)
         for chunk in plan.chunks:  # each completes before the next is built
-            built = self.prefills.chunk(chunk, split=decoding and not self._staged)
-            if isinstance(built, Staged):
-                mx.async_eval(built.stages.pop(0))  # its first part now, the rest a turn each
-                self._staged.append(built)
-            else:
-                self._completed(built, results)
+            self._completed(self.prefills.chunk(chunk, split=decoding), results)
         return results
 
     def staging(self) -> bool:
         """Whether a chunk's forward is being launched a part a turn (``--prefill-parts``):
         the scheduler plans no prefill meanwhile (its budget would run ahead of the
         launches)."""
-        return bool(self._staged)
-
-    def _advance(self, results: list[Sampled]) -> None:
-        """Launch the next part of the oldest staged chunk (all of every one where no row
-        decodes: nobody's step waits); a chunk whose parts are all launched is launched
-        whole: its caches, or its first token, its rows joining (``_completed``)."""
-        decoding = any(r is not None for r in self.rows)
-        while self._staged:
-            staged = self._staged[0]
-            if staged.stages:
-                mx.async_eval(staged.stages.pop(0))
-            else:
-                self._staged.pop(0)
-                if staged.done is None:
-                    mx.async_eval(staged.final)
-                else:
-                    self._completed(staged.done, results)
-            if decoding:
-                return
+        return self.prefills.staging
 
     def _completed(self, done: Prefilled | None, results: list[Sampled]) -> None:
         """A prefill's last forward launched (``done``; None: a chunk with more to come):
@@ -437,7 +414,7 @@ class Runner:
         if state is None:
             return
         state.caches = None
-        self._staged = [s for s in self._staged if s.seq is not seq]
+        self.prefills.forget(seq)
         if not state.joined:
             if self._joins is not None:
                 self._joins.forget(seq)
