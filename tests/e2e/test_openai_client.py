@@ -116,8 +116,19 @@ def test_disconnect_mid_stream_frees_blocks(server, oai):
         if i == 5:
             break
     assert server.admin()["stats"]["blocks_in_use"] > 0
+    request_id = stream.response.headers["x-request-id"]
     stream.close()  # the client hangs up
     server.wait_pool_free(timeout=10)
+    # its access line counts what it used until then, and says the client went away
+    line = ""
+    for _ in range(100):
+        line = next((x for x in server.log().splitlines() if f"id={request_id} " in x), "")
+        if line:
+            break
+        time.sleep(0.05)
+    fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    assert fields["finish"] == "cancelled", line
+    assert int(fields["prompt"]) > 0 and int(fields["completion"]) >= 6, line
 
 
 def test_non_streaming_client_timeout_frees_blocks(server):

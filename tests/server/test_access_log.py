@@ -61,9 +61,14 @@ async def test_every_request_gets_one_line_with_status_id_and_tokens(client_for,
     assert [x["ttft_ms"] for x in lines[2:]] == [None, None, None]
     details = usage.get("prompt_tokens_details") or {}
     assert lines[0]["cached_tokens"] == details.get("cached_tokens", 0)
+    assert [x["finish"] for x in lines] == [ok.json()["choices"][0]["finish_reason"], "length",
+                                            None, None, None]  # fmt: skip
     text = [r.getMessage() for r in caplog.records if r.name == "veloxquant.access"]
-    assert text[0].endswith(f"cached={lines[0]['cached_tokens']} ttft={lines[0]['ttft_ms']:.1f} ms")
-    assert text[3].endswith("prompt=0 completion=0 cached=0 ttft=-")
+    assert text[0].endswith(
+        f"cached={lines[0]['cached_tokens']} ttft={lines[0]['ttft_ms']:.1f} ms "
+        f"finish={lines[0]['finish']}"
+    )
+    assert text[3].endswith("prompt=0 completion=0 cached=0 ttft=- finish=-")
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 

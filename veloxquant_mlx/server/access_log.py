@@ -6,12 +6,17 @@ status, the ``x-request-id`` the response carries, and the time until its last b
 engine requests a route submits are noted in ``HANDLES`` (a context variable the middleware
 sets for the request), so the line carries their prompt, completion and cached tokens once they
 end, and the time from the request's arrival to the first token the engine made for it
-(``ttft``: templating, tokenizing, queueing and prefill; not the network's part).
-Under ``--log-format json`` the fields are the line's own JSON keys.
+(``ttft``: templating, tokenizing, queueing and prefill; not the network's part), and how
+they ended (``finish``: ``stop``, ``length``, ``cancelled`` when the client went away, ``error``).
+A client that goes away mid-stream ends the route before the engine has ended its requests: the
+line then waits for their ends (at most ``SETTLE_S``; the client is gone, nobody waits on it), so
+it counts the tokens made until then. Under ``--log-format json`` the fields are the line's own
+JSON keys.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextvars import ContextVar
@@ -23,6 +28,9 @@ log = logging.getLogger("veloxquant.access")
 
 # The engine requests of the HTTP request being served (None outside the access log).
 HANDLES: ContextVar[list[Any] | None] = ContextVar("vq_request_handles", default=None)
+# How long a line waits for the engine to end requests whose route ended first (a client that
+# went away mid-stream: the engine ends them at its next turn).
+SETTLE_S = 2.0
 
 
 def note_handles(handles: list[Any]) -> None:
@@ -57,11 +65,16 @@ class AccessLog:
             await self.app(scope, receive, watched)
         finally:
             HANDLES.reset(token)
-            self._line(scope, seen, handles, started)
+            seconds = time.monotonic() - started
+            try:
+                await _settle(handles)
+            finally:
+                self._line(scope, seen, handles, started, seconds)
 
     @staticmethod
-    def _line(scope: Scope, seen: dict[str, Any], handles: list[Any], started: float) -> None:
-        seconds = time.monotonic() - started
+    def _line(
+        scope: Scope, seen: dict[str, Any], handles: list[Any], started: float, seconds: float
+    ) -> None:
         finishes = [h.finish for h in handles if h.finish is not None]
         firsts = [h.first_token_at for h in handles if h.first_token_at is not None]
         fields = {
@@ -75,12 +88,22 @@ class AccessLog:
             "cached_tokens": sum(f.usage.cached_tokens for f in finishes),
             # the first token made, from the request's arrival (None: no token made)
             "ttft_ms": round(max(0.0, min(firsts) - started) * 1e3, 1) if firsts else None,
+            # how its engine requests ended, each reason once in order (None: no request)
+            "finish": ",".join(dict.fromkeys(f.finish_reason for f in finishes)) or None,
         }
-        *shown, ttft_ms = fields.values()
+        *shown, ttft_ms, finish = fields.values()
         ttft = "-" if ttft_ms is None else f"{ttft_ms:.1f} ms"
         log.info(
-            "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s",
+            "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s finish=%s",
             *shown,
             ttft,
+            finish or "-",
             extra={"fields": fields},
         )
+
+
+async def _settle(handles: list[Any]) -> None:
+    """Wait (at most ``SETTLE_S``) until every one of ``handles`` has ended."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(h.finish is None for h in handles) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
