@@ -268,6 +268,7 @@ def test_an_engine_process_that_dies_fails_its_streams_and_the_server_exits_non_
         for t in threads:
             t.join(60)
         assert proc.wait(30) == 1
+        assert "the engine process has died" in (tmp_path / "server.log").read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

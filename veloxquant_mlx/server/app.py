@@ -122,7 +122,8 @@ def create_app(
             if not eng.alive:
                 return  # drained and stopped on purpose
             await asyncio.sleep(0.25)
-        log.critical("the engine thread has died; in-flight requests were failed; exiting")
+        host = "process" if settings.engine_process else "thread"
+        log.critical("the engine %s has died; in-flight requests were failed; exiting", host)
         if on_engine_failure is not None:
             on_engine_failure()
 
