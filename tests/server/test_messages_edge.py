@@ -75,3 +75,25 @@ async def test_a_text_document_is_read_as_text_and_media_blocks_are_refused_by_n
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert named in r.json()["error"]["message"], r.json()
     await wait_idle(client.engine)  # type: ignore[attr-defined]
+
+
+async def test_a_seed_gives_the_same_tokens_as_the_chat_path_and_is_range_checked(client_for):
+    """``seed`` is this server's extension of the Messages API: a seeded, sampled request
+    repeats, as the same conversation on the chat path with that seed does."""
+    client = await client_for()
+    body = {**BODY, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    texts = []
+    for _ in range(2):
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["content"][0]["text"])
+    chat = {"model": MODEL, "max_tokens": 12, "temperature": 1.0, "seed": 7,
+            "messages": BODY["messages"]}  # fmt: skip
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert texts[0] == texts[1] == r.json()["choices"][0]["message"]["content"]
+    other = await client.post("/v1/messages", json={**body, "seed": 8})
+    assert other.json()["content"][0]["text"] != texts[0]
+    bad = await client.post("/v1/messages", json={**body, "seed": 2**65})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert "seed" in bad.json()["error"]["message"]
+    await wait_idle(client.engine)  # type: ignore[attr-defined]

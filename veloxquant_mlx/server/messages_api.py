@@ -167,6 +167,7 @@ class MessagesRequest(BaseModel):
     stop_sequences: Annotated[list[StrictStr], Field(max_length=16)] | None = None
     stream: StrictBool = False
     kv_format: KVFormat | None = None  # this server's extension (--kv-formats)
+    seed: StrictInt | None = None  # this server's extension, as chat's (checked there)
 
 
 class CountTokensRequest(BaseModel):
@@ -239,8 +240,9 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
                 body[name] = getattr(req, name)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
-        if req.kv_format is not None:
-            body["kv_format"] = req.kv_format
+        for name in ("kv_format", "seed"):
+            if getattr(req, name) is not None:
+                body[name] = getattr(req, name)
         body["stream"] = req.stream
     return ChatCompletionRequest.model_validate(body)
 
