@@ -3,6 +3,8 @@ paths (OpenAI's everywhere else)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.server.conftest import MODEL, wait_idle
@@ -96,4 +98,47 @@ async def test_a_seed_gives_the_same_tokens_as_the_chat_path_and_is_range_checke
     bad = await client.post("/v1/messages", json={**body, "seed": 2**65})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert "seed" in bad.json()["error"]["message"]
+    await wait_idle(client.engine)  # type: ignore[attr-defined]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["paris", "rome"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["city", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+async def test_structured_output_follows_the_schema_streamed_or_not(client_for, field):
+    """Anthropic's structured outputs (``output_config.format``; ``output_format`` in the
+    beta): the answer's text is JSON that follows the schema, under the chat path's grammar."""
+    client = await client_for()
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    body = {**BODY, "max_tokens": 60, "temperature": 1.0,
+            field: {"format": fmt} if field == "output_config" else fmt}  # fmt: skip
+    texts = []
+    for seed in (1, 2):
+        r = await client.post("/v1/messages", json={**body, "seed": seed})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["content"][0]["text"])
+        answer = json.loads(texts[-1])
+        assert answer["city"] in ("paris", "rome") and isinstance(answer["ok"], bool)
+        assert set(answer) == {"city", "ok"} and r.json()["stop_reason"] == "end_turn"
+    streamed = await client.post("/v1/messages", json={**body, "seed": 1, "stream": True})
+    events = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")
+    ]
+    text = "".join(
+        e["delta"]["text"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
+    assert text == texts[0]
+    wrong = {"format": {"type": "xml", "schema": SCHEMA}}
+    bad = await client.post("/v1/messages", json={**BODY, "output_config": wrong})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     await wait_idle(client.engine)  # type: ignore[attr-defined]

@@ -153,6 +153,19 @@ class ToolChoice(BaseModel):
     name: StrictStr | None = None
 
 
+class JSONOutputFormat(BaseModel):
+    """Anthropic's structured outputs: the answer's text is JSON that follows ``schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # effort: no such knob here
+    format: JSONOutputFormat | None = None
+
+
 class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # metadata, thinking, service_tier, ...
     model: StrictStr
@@ -168,6 +181,8 @@ class MessagesRequest(BaseModel):
     stream: StrictBool = False
     kv_format: KVFormat | None = None  # this server's extension (--kv-formats)
     seed: StrictInt | None = None  # this server's extension, as chat's (checked there)
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for it
 
 
 class CountTokensRequest(BaseModel):
@@ -243,6 +258,10 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         for name in ("kv_format", "seed"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
+        fmt = (req.output_config and req.output_config.format) or req.output_format
+        if fmt is not None:  # enforced by the chat path's grammar, beside any tools
+            schema = {"name": "output", "schema": fmt.schema_, "strict": True}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         body["stream"] = req.stream
     return ChatCompletionRequest.model_validate(body)
 
