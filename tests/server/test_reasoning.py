@@ -91,6 +91,12 @@ async def test_chat_responses_and_messages_return_the_reasoning_apart(client_for
         "thinking": message["reasoning_content"],
         "signature": "",
     }
+    # Anthropic's thinking switch turns the template's off or on; absent, its default holds
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    on = await client.post("/v1/messages", json={**ASK, "thinking": enabled})
+    assert on.json()["content"] == msg.json()["content"]
+    off = await client.post("/v1/messages", json={**ASK, "thinking": {"type": "disabled"}})
+    assert [b["type"] for b in off.json()["content"]] == ["text"], off.text
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 

@@ -6,8 +6,11 @@ the system message; text blocks the messages' text; an assistant's ``tool_use`` 
 ``tool_calls``; a user's ``tool_result`` blocks ``tool`` messages (before the user's text, in
 order); ``tools`` (``input_schema``) functions; ``tool_choice`` auto / any / tool / none the
 chat's "auto" / "required" / a named function / "none". So the same template, grammars (a
-forced call for ``any`` and ``tool``), batching and prefix cache serve it. ``cache_control``,
-``metadata`` and ``thinking`` are accepted and have no effect (the prefix cache is automatic).
+forced call for ``any`` and ``tool``), batching and prefix cache serve it. ``thinking`` of
+type ``enabled`` or ``disabled`` turns the chat template's reasoning switch on or off (the
+variables ``enable_thinking``, Qwen3's and GLM's, and ``thinking``, DeepSeek's); absent, the
+template's default holds. ``cache_control`` and ``metadata`` are accepted and have no effect
+(the prefix cache is automatic).
 A plain-text ``document`` block is its text; images, PDFs and other media are refused with a
 400 that names the block (the models served here read text).
 """
@@ -166,8 +169,13 @@ class OutputConfig(BaseModel):
     format: JSONOutputFormat | None = None
 
 
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # budget_tokens: the template has no such knob
+    type: StrictStr  # "enabled", "disabled"; another (a newer mode) leaves the template's default
+
+
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # metadata, thinking, service_tier, ...
+    model_config = ConfigDict(extra="ignore")  # metadata, service_tier, container, ...
     model: StrictStr
     max_tokens: Annotated[StrictInt, Field(ge=1, le=1_000_000)]
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -183,6 +191,7 @@ class MessagesRequest(BaseModel):
     seed: StrictInt | None = None  # this server's extension, as chat's (checked there)
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for it
+    thinking: ThinkingConfig | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -258,6 +267,9 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         for name in ("kv_format", "seed"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
+        if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
+            on = req.thinking.type == "enabled"  # the template's switch, by its common names
+            body["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
         fmt = (req.output_config and req.output_config.format) or req.output_format
         if fmt is not None:  # enforced by the chat path's grammar, beside any tools
             schema = {"name": "output", "schema": fmt.schema_, "strict": True}
