@@ -66,6 +66,36 @@ def cancelled_while(
     return engine
 
 
+def long_prompt_beside_two_streams(
+    engine: Engine,
+    seed: int,
+    prompt_tokens: int,
+    stream_tokens: int,
+    first_tokens: int = 1,
+    reason: str | None = "length",
+) -> list[list[int]]:
+    """Two 12-token prompts decoding ``stream_tokens`` greedy tokens; after the first's
+    ``first_tokens`` tokens, a fresh ``prompt_tokens``-token prompt (8 tokens) arrives. Waits
+    for all three (each ending by ``reason``, unless None) and returns their token ids."""
+    greedy = SamplingParams(temperature=0.0)
+    rng = random.Random(seed)
+    short = [[rng.randrange(3, 2000) for _ in range(12)] for _ in range(2)]
+    long = [rng.randrange(3, 2000) for _ in range(prompt_tokens)]
+    handles = [engine.submit(GenerationRequest(tuple(p), stream_tokens, greedy)) for p in short]
+    events = iter(handles[0].events(60))
+    first = [next(events) for _ in range(first_tokens)]  # decoding before the long one arrives
+    assert all(isinstance(e, TokenEvent) for e in first)
+    handles.append(engine.submit(GenerationRequest(tuple(long), 8, greedy)))
+    out = []
+    for h in handles:
+        tokens, finish = h.collect(120)
+        assert isinstance(finish, FinishEvent)
+        assert reason is None or finish.finish_reason == reason
+        out.append([t.token_id for t in tokens])
+    out[0][:0] = [e.token_id for e in first]
+    return out
+
+
 def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,16 +7,11 @@ end each run of layers."""
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import pytest
 
-from tests.engine.conftest import cancelled_while
+from tests.engine.conftest import cancelled_while, long_prompt_beside_two_streams
 from veloxquant_mlx.engine.loop import layer_capture
-from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def _serve(make_engine, parts: int, **overrides) -> tuple[list[list[int]], int]:
@@ -33,19 +28,7 @@ def _serve(make_engine, parts: int, **overrides) -> tuple[list[list[int]], int]:
         step_hook=hook, **overrides,
     )  # fmt: skip
     box["engine"] = engine
-    rng = random.Random(5)
-    short = [[rng.randrange(3, 2000) for _ in range(12)] for _ in range(2)]
-    long = [rng.randrange(3, 2000) for _ in range(300)]
-    handles = [engine.submit(GenerationRequest(tuple(p), 60, GREEDY)) for p in short]
-    first = next(iter(handles[0].events(60)))  # decoding before the long one arrives
-    assert isinstance(first, TokenEvent)
-    handles.append(engine.submit(GenerationRequest(tuple(long), 8, GREEDY)))
-    out = []
-    for h in handles:
-        tokens, finish = h.collect(120)
-        assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
-        out.append([t.token_id for t in tokens])
-    out[0].insert(0, first.token_id)
+    out = long_prompt_beside_two_streams(engine, seed=5, prompt_tokens=300, stream_tokens=60)
     return out, box["staging"]
 
 

@@ -6,17 +6,14 @@ those of a fixed budget, the pool all free after."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
+from tests.engine.conftest import long_prompt_beside_two_streams
 from veloxquant_mlx.config.settings import Settings
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.prefill_budget import PrefillBudget
 from veloxquant_mlx.engine.model.choices import prefill_stall_ratio
-from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
-GREEDY = SamplingParams(temperature=0.0)
 MS = 0.001
 
 
@@ -111,20 +108,9 @@ def _serve(make_engine, ratio: float) -> tuple[list[list[int]], list[int]]:
         step_hook=hook,
     )  # fmt: skip
     box["engine"] = engine
-    rng = random.Random(7)
-    short = [[rng.randrange(3, 2000) for _ in range(12)] for _ in range(2)]
-    long = [rng.randrange(3, 2000) for _ in range(900)]
-    handles = [engine.submit(GenerationRequest(tuple(p), 60, GREEDY)) for p in short]
-    events = iter(handles[0].events(60))
-    first = [next(events) for _ in range(6)]  # decode-only steps before the long one arrives
-    assert all(isinstance(e, TokenEvent) for e in first)
-    handles.append(engine.submit(GenerationRequest(tuple(long), 8, GREEDY)))
-    out = []
-    for h in handles:
-        tokens, finish = h.collect(120)
-        assert isinstance(finish, FinishEvent) and finish.finish_reason == "length"
-        out.append([t.token_id for t in tokens])
-    out[0][:0] = [e.token_id for e in first]
+    out = long_prompt_beside_two_streams(
+        engine, seed=7, prompt_tokens=900, stream_tokens=60, first_tokens=6
+    )  # six decode-only steps before the long one arrives
     return out, budgets  # the fixture checks the pool all free and no owner left
 
 

@@ -6,18 +6,13 @@ the same tokens; a request that leaves while it waits to join leaves nothing beh
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import pytest
 
-from tests.engine.conftest import cancelled_while
+from tests.engine.conftest import cancelled_while, long_prompt_beside_two_streams
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS, JoinClock
 from veloxquant_mlx.engine.model.choices import prefill_join, prefill_stream
-from veloxquant_mlx.engine.types import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class _Streams:
@@ -54,19 +49,9 @@ def _serve(
         prefill_join=join, step_hook=hook,
     )  # fmt: skip
     box["engine"] = engine
-    rng = random.Random(5)
-    short = [[rng.randrange(3, 2000) for _ in range(12)] for _ in range(2)]
-    long = [rng.randrange(3, 2000) for _ in range(300)]
-    handles = [engine.submit(GenerationRequest(tuple(p), 40, GREEDY)) for p in short]
-    first = next(iter(handles[0].events(60)))  # decoding before the long one arrives
-    assert isinstance(first, TokenEvent)
-    handles.append(engine.submit(GenerationRequest(tuple(long), 8, GREEDY)))
-    out = []
-    for h in handles:
-        tokens, finish = h.collect(120)
-        assert isinstance(finish, FinishEvent)
-        out.append([t.token_id for t in tokens])
-    out[0].insert(0, first.token_id)
+    out = long_prompt_beside_two_streams(
+        engine, seed=5, prompt_tokens=300, stream_tokens=40, reason=None
+    )
     return out, box["spy"].calls, engine._core.runner.late_joins
 
 
