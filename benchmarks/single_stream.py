@@ -86,12 +86,19 @@ def layout_with_rows(
     return kv, n_ids
 
 
-def step_logits(model: Any, kv: Any, y: Any, position: int, n_ids: int) -> Any:
-    """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits."""
+def step_logits(
+    model: Any, kv: Any, y: Any, position: int, n_ids: int, compiled: Any = None
+) -> Any:
+    """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits.
+    ``compiled``: a ``kv.compiled_step.CompiledStep`` the step goes through (dense only)."""
     from veloxquant_mlx.kv.step import StepBatch, StepCache
 
     batch = StepBatch([position] * y.shape[0])
     kv.begin_step(batch, n_ids - 1)
+    if compiled is not None and compiled.takes(kv):
+        logits = compiled(kv, y, batch)
+        assert logits is not None, f"the forward did not compile: {compiled.failed}"
+        return logits
     caches = [StepCache(kv, layer, batch) for layer in range(kv.n_layers)]
     return model(y[:, None], cache=caches)[:, -1, :]
 

@@ -14,7 +14,9 @@ on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on
 (``--kv-format``), whose attention reads codes through ``mx.quantized_matmul`` (mlx_lm's), or
 with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA); ``+wN``
 adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+fast``
-is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``). Each
+is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``);
+``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
+``kv.compiled_step``; its graph is then counted before MLX's compile fuses it). Each
 line also says whether row 0's greedy tokens over the steps are the first format's.
 """
 
@@ -52,6 +54,7 @@ def anatomy(
     from veloxquant_mlx.engine.types import SamplingParams
     from veloxquant_mlx.kv import attention
     from veloxquant_mlx.kv.codec import parse
+    from veloxquant_mlx.kv.compiled_step import CompiledStep
 
     _, layers, y = prefill(model, prompt)
     k0 = layers[0][0]
@@ -66,6 +69,7 @@ def anatomy(
     )
     if "fast" in hows:  # the kernels' fast step (kv.quantized_attention._FAST_STEP)
         kv.kernel.fast = True
+    compiled = CompiledStep(model, kv.n_layers) if "compiled" in hows else None
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
@@ -74,7 +78,7 @@ def anatomy(
     build, launch, wait, ops, row0 = [], [], [], 0, []
     for i in range(steps + 3):
         t0 = time.perf_counter()
-        drawn = sampler.draw(step_logits(model, kv, tokens, position, n_ids))
+        drawn = sampler.draw(step_logits(model, kv, tokens, position, n_ids, compiled))
         t1 = time.perf_counter()
         if i == 3:
             ops = primitives(drawn.tokens, *drawn.state)

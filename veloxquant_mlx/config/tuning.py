@@ -77,6 +77,13 @@ class TuningSettings(BaseModel):
         "steps, a run of its layers each, so each of their steps waits for a part of the "
         "chunk instead of all of it; 1: the whole chunk in one step.",
     )
+    compiled_step: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run a decode step's model forward as one compiled MLX function (traced "
+        "once per batch shape, element-wise chains fused), which spares the host building "
+        "the step op by op: on, off, auto (the measured best per backend). The dense KV "
+        "layout only; a model whose forward does not compile steps eagerly, with one log line.",
+    )
     paged_attention: Literal["gather", "fused"] = Field(
         "gather",
         description="How the paged layout's decode steps read the blocks: gather (copies of each "

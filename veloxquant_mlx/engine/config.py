@@ -87,6 +87,9 @@ class EngineConfig:
     # its layers a turn (loop/layer_capture.py): each of their steps then waits for a part of
     # the chunk's launches, not all. 1: the whole chunk in one turn.
     prefill_parts: int = 1
+    # Decode steps over the dense layout run the model's forward compiled (kv/compiled_step.py):
+    # "on", "off", "auto" (the measured best per backend: model/choices.py's COMPILED_STEP).
+    compiled_step: str = "auto"
     # How the paged layout's decode attention reads the blocks (kv/paged_attention.py):
     # "gather" (copies of each row's blocks, then MLX's attention), "fused" (through the block
     # tables where they lie: a CUDA kernel; elsewhere the same in MLX ops).

@@ -93,6 +93,14 @@ class DenseKV:
         """The layout of every format here: this one (``kv.mixed`` holds several)."""
         return self
 
+    def traced_view(self, k: list[mx.array], v: list[mx.array]) -> DenseKV:
+        """This layout over the arrays ``k`` and ``v`` (a compiled step's inputs, written to
+        and returned by it: ``kv.compiled_step``); this one is untouched."""
+        view = DenseKV(self.n_layers, self.block_size, self.ragged)
+        view.k, view.v = list(k), list(v)
+        view.rows, view.capacity = self.rows, self.capacity
+        return view
+
     def set_hole(self, row: int) -> None:
         """Row ``row`` left: its slot is written at position 0 and never read until reused."""
 

@@ -44,6 +44,7 @@ class StepBatch:
         exp2: bool = False,
     ) -> None:
         self.positions_list = positions
+        self.rows = len(positions)
         self.matmul = matmul
         self.exp2 = exp2
         self.positions = mx.array(positions, dtype=mx.int32)
@@ -58,6 +59,30 @@ class StepBatch:
         self.whole = False  # the layout reads whole rows (``read_whole``): always masked
         self._masks: dict[int | None, mx.array] = {}
         self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
+        self._cols: mx.array | None = None  # arange(read_width) where given (``traced``)
+
+    @classmethod
+    def traced(cls, positions: mx.array, cols: mx.array, ragged: RaggedAttention) -> StepBatch:
+        """A step inside a compiled forward (``kv.compiled_step``): everything it decides is
+        told by its inputs' shapes (rows: ``positions``'; the positions it reads and masks:
+        ``cols``, ``arange(read_width)``), never by their values, since a compiled function
+        is traced once per shape. Every row is masked and written at its own position."""
+        batch = cls.__new__(cls)
+        rows = positions.shape[0]
+        batch.positions_list = []  # not known while tracing: the shapes say what is needed
+        batch.rows = rows
+        # matmul on every rows where the policy takes it at all: a compiled step is always
+        # masked, and MLX's masked attention broadcasts K and V over the query heads
+        batch.matmul = ragged.mode == "matmul"
+        batch.exp2 = ragged.exp2
+        batch.positions = positions
+        batch.width = batch.read_width = cols.shape[0]
+        batch.uniform = False
+        batch.whole = False
+        batch._masks = {}
+        batch._index = {}
+        batch._cols = cols
+        return batch
 
     @classmethod
     def planned(cls, positions: list[int], ragged: RaggedAttention) -> StepBatch:
@@ -78,7 +103,7 @@ class StepBatch:
             return None
         m = self._masks.get(window)
         if m is None:
-            cols = mx.arange(self.read_width)[None, :]
+            cols = (mx.arange(self.read_width) if self._cols is None else self._cols)[None, :]
             pos = self.positions[:, None]
             m = cols <= pos
             if window is not None:
@@ -101,8 +126,7 @@ class StepBatch:
         step, not once a layer)."""
         index = self._index.get(heads)
         if index is None:
-            rows = len(self.positions_list)
-            index = self._index[heads] = (mx.arange(rows)[:, None], mx.arange(heads)[None, :])
+            index = self._index[heads] = (mx.arange(self.rows)[:, None], mx.arange(heads)[None, :])
         return index
 
 

@@ -29,6 +29,7 @@ from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
 from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
 from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
+from veloxquant_mlx.kv.compiled_step import CompiledStep
 from veloxquant_mlx.kv.layout import KVLayout
 from veloxquant_mlx.kv.step import StepCache
 
@@ -95,6 +96,8 @@ class Runner:
         join_when_ready: With ``prefill_stream``, a prefilled row joins the first step built
             once its prefill is probably done on the device (``join_clock``), not the step
             built with its last chunk (which would wait for that chunk, and every row with it).
+        compiled_step: Decode steps over the dense layout run the model's forward compiled
+            (``kv.compiled_step``), reading positions in chunks of ``compiled_read_chunk``.
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class Runner:
         join_when_ready: bool = False,
         sampling_cut: str = "sort",
         prefill_parts: int = 1,
+        compiled_step: bool = False,
+        compiled_read_chunk: int = 128,
     ) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
@@ -118,6 +123,11 @@ class Runner:
         self._copied_out = False  # a leaving row's pages were copied since the last launch
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
+        # the decode forward over the dense layout, compiled (kv.compiled_step)
+        self._read_chunk = compiled_read_chunk
+        self.compiled = (
+            CompiledStep(model, self._n_layers, compiled_read_chunk) if compiled_step else None
+        )
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
         self._joins = JoinQueue() if prefill_stream and join_when_ready else None
@@ -139,6 +149,8 @@ class Runner:
     @model.setter
     def model(self, model: Any) -> None:
         self.prefills.model = model
+        if self.compiled is not None:  # traced over the old one
+            self.compiled = CompiledStep(model, self._n_layers, self._read_chunk)
 
     # ------------------------------------------------------------------ prefill
 
@@ -328,8 +340,12 @@ class Runner:
             )
         batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
-        caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
-        logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        logits = None
+        if self.compiled is not None and self.compiled.takes(self.kv):
+            logits = self.compiled(self.kv, inputs, batch)  # type: ignore[arg-type]
+        if logits is None:
+            caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
+            logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         if self._sampler is None or not same_rows:
             self._sampler = self._sampler_for(rows, self._sampler)
         sampled = self._sample(rows, logits, self._sampler, inputs)

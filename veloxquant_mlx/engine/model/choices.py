@@ -62,6 +62,38 @@ def prefill_stream(cfg: EngineConfig, keeps_pages: bool = False, grouped: bool =
     return wanted
 
 
+# Whether decode steps over the dense layout run the model's forward compiled, per backend,
+# under --compiled-step auto (DESIGN-NOTES.md, "A compiled decode step"): measured faster on
+# this CPU; not measured yet on CUDA or Metal.
+COMPILED_STEP = {"cpu": True, "cuda": False, "metal": False}
+# The positions a compiled step reads, in chunks of (kv/compiled_step.py): a GPU's matmuls plan
+# per shape; a CPU pays for every masked position read.
+COMPILED_READ_CHUNK = {"cpu": 32, "gpu": 128}
+
+
+def compiled_read_chunk() -> int:
+    return COMPILED_READ_CHUNK["cpu" if mx.default_device() == mx.cpu else "gpu"]
+
+
+def compiled_step(cfg: EngineConfig, grouped: bool = False) -> bool:
+    """Whether decode steps run the model's forward compiled (``kv.compiled_step``). Never in
+    an mx.distributed group (every rank would have to trace alike); one log line if ``on``
+    was asked for there."""
+    if cfg.compiled_step not in ("auto", "on", "off"):
+        raise ValueError(f"compiled_step must be auto, on or off, got {cfg.compiled_step!r}")
+    if cfg.compiled_step != "auto":
+        wanted = cfg.compiled_step == "on"
+    elif mx.default_device() == mx.cpu:
+        wanted = COMPILED_STEP["cpu"]
+    else:
+        wanted = COMPILED_STEP["cuda" if attention.cuda_available() else "metal"]
+    if wanted and grouped:
+        if cfg.compiled_step == "on":
+            log.info("--compiled-step on: decode steps run eagerly in an mx.distributed group")
+        return False
+    return wanted
+
+
 def prefill_join(cfg: EngineConfig) -> bool:
     """Whether a prefilled row joins once its prefill is probably done (``ready``; ``now``,
     the default, joins it to the step built with its last chunk), where prefill runs on a

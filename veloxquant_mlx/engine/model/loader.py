@@ -20,6 +20,8 @@ from veloxquant_mlx.engine.loop.runner import Runner, check_supported
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.choices import (
     answers_up_to,
+    compiled_read_chunk,
+    compiled_step,
     mlx_cache_limit,
     prefill_budget,
     prefill_join,
@@ -314,6 +316,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         joins,
         sampling_cut(cfg),
         prefill_parts=cfg.prefill_parts,
+        compiled_step=compiled_step(cfg, grouped=group is not None),
+        compiled_read_chunk=compiled_read_chunk(),
     )
     scheduler = Scheduler(
         pool,
@@ -352,7 +356,9 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             if cfg.kv_recent_tokens
             else ""
         ),
-        layout + (" (fused attention)" if fused or kernel else ""),
+        layout
+        + (" (fused attention)" if fused or kernel else "")
+        + (", decode steps compiled" if runner.compiled and runner.compiled.serves(kv) else ""),
         ragged.label,
         "exp2" if ragged.exp2 else "exp",
         {None: "sdpa", "buckets": "buckets"}.get(ragged.prefill_route, "matmul"),
