@@ -76,6 +76,8 @@ def test_request_ids_are_echoed_or_made(server):
         ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions",
          "deprecated function calling) is not supported: send tools"),
         ({"function_call": {"name": "f"}}, "function_call", "send tools and tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities", "only text output is supported"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
     ],
 )  # fmt: skip
 def test_messages_name_the_real_problem(oai, extra, param, words):
@@ -89,7 +91,7 @@ def test_messages_name_the_real_problem(oai, extra, param, words):
 def test_legacy_function_fields_that_ask_for_nothing_pass(oai):
     r = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-        functions=[], function_call="none",
+        functions=[], function_call="none", modalities=["text"],
     )  # fmt: skip
     assert r.choices[0].message.content is not None
 

@@ -221,6 +221,24 @@ class ChatCompletionRequest(_Sampling):
     # text where it expects a call), not ignored; "none" / empty asks for nothing and passes.
     functions: list[Any] | None = None
     function_call: Any = None
+    # Output modalities: text is what this server makes. Audio output is refused, not answered
+    # with text a client would take for a transcript.
+    modalities: list[StrictStr] | None = None
+    audio: Any = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_output_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError("only text output is supported: modalities may hold only 'text'")
+        return value
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio_output(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("audio output is not supported (the server outputs text only)")
+        return value
 
     @field_validator("functions", "function_call")
     @classmethod
