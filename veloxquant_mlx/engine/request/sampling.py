@@ -224,8 +224,7 @@ class BatchSampler:
                 ranks = "histogram"
             elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
                 ranks = "host"
-            on_cpu = mx.default_device() == mx.cpu
-            draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k, on_cpu and CPU_BY_CDF)
+            draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)
             extra = [host_rank_cut(logits, self.top_p, self.top_k)] if ranks == "host" else []
             tokens, self.keys = draw(
                 logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p, *extra
@@ -275,45 +274,23 @@ def _draw(
     uses_min_p: bool,
     ranks: str,
     uses_top_k: bool,
-    by_cdf: bool = False,
 ) -> tuple[mx.array, mx.array]:
-    """Each row's token (a draw from its filtered, tempered logits with its own key: Gumbel-max,
-    or with ``by_cdf`` the inverse of its cumulative distribution; the argmax for greedy rows)
-    and each row's next key."""
+    """Each row's token (a Gumbel-max draw from its filtered, tempered logits with its own
+    key; the argmax for greedy rows) and each row's next key."""
     pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
     vocab = logits.shape[-1]
+    noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
     kept = filter_logits(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k, rank_cut)
-    tempered = kept * inv_temp.astype(logits.dtype)
-    if by_cdf:
-        drawn = _inverse_cdf(tempered, pairs[:, 1])
-    else:
-        noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
-        drawn = mx.argmax(tempered + noise, axis=-1)
+    drawn = mx.argmax(kept * inv_temp.astype(logits.dtype) + noise, axis=-1)
     return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), pairs[:, 0]
 
 
-LOG2_E = 1.4426950408889634
-
-
-def _inverse_cdf(logits: mx.array, keys: mx.array) -> mx.array:
-    """Each row's draw from ``softmax(logits)`` by one uniform number from its key: the first
-    token whose cumulative mass passes it. One power of two and a running sum per logit, where
-    Gumbel-max takes a random number and two logarithms (MLX's CPU ``log``, like its ``exp``,
-    costs ~12 ns an element, ``power`` ~4: kv/attention.py)."""
-    x = logits.astype(mx.float32)
-    mass = mx.cumsum(mx.power(2.0, (x - x.max(axis=-1, keepdims=True)) * LOG2_E), axis=-1)
-    u = mx.vmap(lambda k: mx.random.uniform(key=k))(keys)[:, None]
-    return mx.argmax(mass > u * mass[:, -1:], axis=-1)
-
-
 @functools.cache
-def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool, by_cdf: bool = False) -> Any:
+def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool) -> Any:
     """``_draw`` compiled once per filter combination (MLX traces it again per batch size).
     ``ranks``: how the top_p / top_k cut is made ("sort", "histogram", "host": given as
-    ``rank_cut``; "": no row cuts by rank or mass); ``by_cdf``: drawn by the inverse CDF."""
-    draw = functools.partial(
-        _draw, uses_min_p=uses_min_p, ranks=ranks, uses_top_k=uses_top_k, by_cdf=by_cdf
-    )
+    ``rank_cut``; "": no row cuts by rank or mass)."""
+    draw = functools.partial(_draw, uses_min_p=uses_min_p, ranks=ranks, uses_top_k=uses_top_k)
     if ranks == "host":
         return mx.compile(draw)
     return mx.compile(
@@ -326,7 +303,3 @@ def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool, by_cdf: bool 
 # On a CPU, MLX's sort of a [rows, vocab] array costs more than the rest of sampling (26 ms
 # for 8 rows of 32,000 here, numpy's 2.4 ms): there the top_p / top_k cut is made on the host.
 HOST_RANK_CUT = True
-# On a CPU a row's token is drawn by the inverse of its CDF (one uniform number a row), not by
-# Gumbel-max (a random number and two logarithms a logit): 1.9 against 4.1 ms for 8 rows of
-# 32,000 here. GPUs keep Gumbel-max, as measured there.
-CPU_BY_CDF = True
