@@ -85,6 +85,9 @@ def serve_greedy(path: Path, prompts: list[list[int]], lengths: list[int], **con
             ours.append([t.token_id for t in tokens])
         wait_idle(engine)
         assert engine.stats().kv_layout == config["kv_layout"]
+        compiled = engine._core.runner.compiled  # the CPU's default: it traced this model
+        if config["kv_layout"] == "dense" and compiled is not None:
+            assert compiled.failed is None and compiled.traces > 0, compiled.failed
         assert_engine_all_free(engine)
     finally:
         engine.shutdown(5)
