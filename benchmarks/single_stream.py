@@ -91,16 +91,14 @@ def step_logits(
 ) -> Any:
     """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits.
     ``compiled``: a ``kv.compiled_step.CompiledStep`` the step goes through (dense only)."""
-    from veloxquant_mlx.kv.step import StepBatch, StepCache
+    from veloxquant_mlx.kv.compiled_step import decode_logits
+    from veloxquant_mlx.kv.step import StepBatch
 
     batch = StepBatch([position] * y.shape[0])
     kv.begin_step(batch, n_ids - 1)
-    if compiled is not None and compiled.takes(kv):
-        logits = compiled(kv, y, batch)
-        assert logits is not None, f"the forward did not compile: {compiled.failed}"
-        return logits
-    caches = [StepCache(kv, layer, batch) for layer in range(kv.n_layers)]
-    return model(y[:, None], cache=caches)[:, -1, :]
+    logits = decode_logits(model, kv, y, batch, kv.n_layers, compiled)
+    assert compiled is None or compiled.failed is None, f"did not compile: {compiled.failed}"
+    return logits
 
 
 def decode_loop(

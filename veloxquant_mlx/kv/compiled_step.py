@@ -106,3 +106,23 @@ class CompiledStep:
         caches = [StepCache(view, layer, batch) for layer in range(n)]
         logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
         return (logits, *view.k, *view.v)
+
+
+def decode_logits(
+    model: Any,
+    kv: Any,
+    inputs: mx.array,
+    batch: StepBatch,
+    n_layers: int,
+    compiled: CompiledStep | None = None,
+) -> mx.array:
+    """The last position's logits ``[rows, vocab]`` of one decode step of ``inputs`` over the
+    layout ``kv`` (``begin_step`` done for ``batch``), built and not evaluated: through
+    ``compiled`` where it takes the layout, else built op by op over ``StepCache``s."""
+    if compiled is not None and compiled.takes(kv):
+        logits = compiled(kv, inputs, batch)
+        if logits is not None:
+            return logits
+    caches = [StepCache(kv, layer, batch) for layer in range(n_layers)]
+    out: mx.array = model(inputs[:, None], cache=caches)[:, -1, :]
+    return out

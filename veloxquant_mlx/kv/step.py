@@ -67,20 +67,13 @@ class StepBatch:
         told by its inputs' shapes (rows: ``positions``'; the positions it reads and masks:
         ``cols``, ``arange(read_width)``), never by their values, since a compiled function
         is traced once per shape. Every row is masked and written at its own position."""
-        batch = cls.__new__(cls)
-        rows = positions.shape[0]
+        # matmul at every row count where the policy takes it at all: a compiled step is
+        # always masked, and MLX's masked attention broadcasts K and V over the query heads
+        batch = cls([0] * positions.shape[0], ragged.mode == "matmul", 1, ragged.exp2)
         batch.positions_list = []  # not known while tracing: the shapes say what is needed
-        batch.rows = rows
-        # matmul on every rows where the policy takes it at all: a compiled step is always
-        # masked, and MLX's masked attention broadcasts K and V over the query heads
-        batch.matmul = ragged.mode == "matmul"
-        batch.exp2 = ragged.exp2
         batch.positions = positions
         batch.width = batch.read_width = cols.shape[0]
         batch.uniform = False
-        batch.whole = False
-        batch._masks = {}
-        batch._index = {}
         batch._cols = cols
         return batch
 

@@ -29,9 +29,8 @@ from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
 from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
 from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
-from veloxquant_mlx.kv.compiled_step import CompiledStep
+from veloxquant_mlx.kv.compiled_step import CompiledStep, decode_logits
 from veloxquant_mlx.kv.layout import KVLayout
-from veloxquant_mlx.kv.step import StepCache
 
 
 def check_supported(model: Any) -> None:
@@ -124,7 +123,6 @@ class Runner:
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
         self._n_layers = len(make_prompt_cache(model))
         # the decode forward over the dense layout, compiled (kv.compiled_step)
-        self._read_chunk = compiled_read_chunk
         self.compiled = (
             CompiledStep(model, self._n_layers, compiled_read_chunk) if compiled_step else None
         )
@@ -150,7 +148,7 @@ class Runner:
     def model(self, model: Any) -> None:
         self.prefills.model = model
         if self.compiled is not None:  # traced over the old one
-            self.compiled = CompiledStep(model, self._n_layers, self._read_chunk)
+            self.compiled = CompiledStep(model, self._n_layers, self.compiled.read_chunk)
 
     # ------------------------------------------------------------------ prefill
 
@@ -340,12 +338,7 @@ class Runner:
             )
         batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
-        logits = None
-        if self.compiled is not None and self.compiled.takes(self.kv):
-            logits = self.compiled(self.kv, inputs, batch)  # type: ignore[arg-type]
-        if logits is None:
-            caches = [StepCache(self.kv, layer, batch) for layer in range(self._n_layers)]
-            logits = self.model(inputs[:, None], cache=caches)[:, -1, :]
+        logits = decode_logits(self.model, self.kv, inputs, batch, self._n_layers, self.compiled)
         if self._sampler is None or not same_rows:
             self._sampler = self._sampler_for(rows, self._sampler)
         sampled = self._sample(rows, logits, self._sampler, inputs)

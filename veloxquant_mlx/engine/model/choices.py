@@ -35,6 +35,20 @@ def answers_up_to(mode: str, keeps_pages: bool) -> int | None:
     return 0 if mode == "off" else ANSWERS_UP_TO
 
 
+def _backend() -> str:
+    """MLX's default device's backend: "cpu", "cuda" or "metal"."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "cuda" if attention.cuda_available() else "metal"
+
+
+def _switch(name: str, value: str, auto: dict[str, bool]) -> bool:
+    """An auto / on / off setting: on or off as given, ``auto[backend]`` for auto."""
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{name} must be auto, on or off, got {value!r}")
+    return auto[_backend()] if value == "auto" else value == "on"
+
+
 # Whether prefill forwards run on a stream of their own, per backend, under --prefill-stream
 # auto (DESIGN-NOTES.md, "Prefill on a stream of its own"): measured faster on CUDA, slower on
 # this CPU, not measured on Metal.
@@ -46,14 +60,7 @@ def prefill_stream(cfg: EngineConfig, keeps_pages: bool = False, grouped: bool =
     (``grouped``: every rank must run the collectives in one order) nor where the layout
     ``keeps_pages`` (paged: a prefill reads cached pages from the blocks that decode steps
     write in place, an order only one stream keeps); one log line if ``on`` was asked for."""
-    if cfg.prefill_stream not in ("auto", "on", "off"):
-        raise ValueError(f"prefill_stream must be auto, on or off, got {cfg.prefill_stream!r}")
-    if cfg.prefill_stream != "auto":
-        wanted = cfg.prefill_stream == "on"
-    elif mx.default_device() == mx.cpu:
-        wanted = PREFILL_STREAM["cpu"]
-    else:
-        wanted = PREFILL_STREAM["cuda" if attention.cuda_available() else "metal"]
+    wanted = _switch("prefill_stream", cfg.prefill_stream, PREFILL_STREAM)
     if wanted and (grouped or keeps_pages):
         if cfg.prefill_stream == "on":
             why = "an mx.distributed group" if grouped else "the paged layout"
@@ -72,21 +79,14 @@ COMPILED_READ_CHUNK = {"cpu": 32, "gpu": 128}
 
 
 def compiled_read_chunk() -> int:
-    return COMPILED_READ_CHUNK["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    return COMPILED_READ_CHUNK["cpu" if _backend() == "cpu" else "gpu"]
 
 
 def compiled_step(cfg: EngineConfig, grouped: bool = False) -> bool:
     """Whether decode steps run the model's forward compiled (``kv.compiled_step``). Never in
     an mx.distributed group (every rank would have to trace alike); one log line if ``on``
     was asked for there."""
-    if cfg.compiled_step not in ("auto", "on", "off"):
-        raise ValueError(f"compiled_step must be auto, on or off, got {cfg.compiled_step!r}")
-    if cfg.compiled_step != "auto":
-        wanted = cfg.compiled_step == "on"
-    elif mx.default_device() == mx.cpu:
-        wanted = COMPILED_STEP["cpu"]
-    else:
-        wanted = COMPILED_STEP["cuda" if attention.cuda_available() else "metal"]
+    wanted = _switch("compiled_step", cfg.compiled_step, COMPILED_STEP)
     if wanted and grouped:
         if cfg.compiled_step == "on":
             log.info("--compiled-step on: decode steps run eagerly in an mx.distributed group")
