@@ -16,7 +16,7 @@ with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on C
 adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+fast``
 is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
-``kv.compiled_step``; its graph is then counted before MLX's compile fuses it). Each
+``kv.compiled_step``; its graph then holds the compile's fused kernels, one operation each). Each
 line also says whether row 0's greedy tokens over the steps are the first format's.
 """
 
