@@ -87,14 +87,16 @@ def layout_with_rows(
 
 
 def step_logits(
-    model: Any, kv: Any, y: Any, position: int, n_ids: int, compiled: Any = None
+    model: Any, kv: Any, y: Any, position: int | list[int], n_ids: int, compiled: Any = None
 ) -> Any:
-    """One decode step of every row of ``kv`` at ``position`` (built, not launched): logits.
-    ``compiled``: a ``kv.compiled_step.CompiledStep`` the step goes through (dense only)."""
+    """One decode step of every row of ``kv`` at ``position`` (or each row at its own, a
+    list: a ragged step) (built, not launched): logits. ``compiled``: a
+    ``kv.compiled_step.CompiledStep`` the step goes through (dense only)."""
     from veloxquant_mlx.kv.compiled_step import decode_logits
     from veloxquant_mlx.kv.step import StepBatch
 
-    batch = StepBatch([position] * y.shape[0])
+    positions = position if isinstance(position, list) else [position] * y.shape[0]
+    batch = kv.step_batch(positions) if len(set(positions)) > 1 else StepBatch(positions)
     kv.begin_step(batch, n_ids - 1)
     logits = decode_logits(model, kv, y, batch, kv.n_layers, compiled)
     assert compiled is None or compiled.failed is None, f"did not compile: {compiled.failed}"

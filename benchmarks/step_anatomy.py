@@ -17,16 +17,22 @@ adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w1
 is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
 ``kv.compiled_step``; its graph then holds the compile's fused kernels, one operation each). Each
-line also says whether row 0's greedy tokens over the steps are the first format's.
+line also says whether row 0's greedy tokens over the steps are the first format's; its JSON
+line after it counts the graph's operations by primitive (``by_primitive``). ``--ragged N``
+puts the rows at N positions (as rows that joined at different times), so the step is the
+masked one a serving batch mostly takes. On a CPU a sampled step's draw reads the logits back
+(``request.host_draw``): its build then includes the forward's wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.serving import write_model
@@ -35,18 +41,24 @@ from benchmarks.single_stream import layout_with_rows, prefill, step_logits
 TRAFFIC = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 
 
-def primitives(*outputs: object) -> int:
-    """The operations in the graph behind ``outputs`` (not yet evaluated)."""
+def primitives(*outputs: object) -> Counter[str]:
+    """The operations in the graph behind ``outputs`` (not yet evaluated), by primitive."""
     import mlx.core as mx
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "step.dot"
         mx.export_to_dot(str(path), *outputs)
-        return path.read_text().count("shape=rectangle")
+        return Counter(re.findall(r'label ="?([^",\]]+)"?, shape=rectangle', path.read_text()))
 
 
 def anatomy(
-    model: object, prompt: list[int], rows: int, traffic: str, steps: int, fmt: str = "auto"
+    model: object,
+    prompt: list[int],
+    rows: int,
+    traffic: str,
+    steps: int,
+    fmt: str = "auto",
+    ragged: int = 0,
 ) -> dict:
     import mlx.core as mx
 
@@ -74,11 +86,12 @@ def anatomy(
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]
     sampler = BatchSampler([RowSampling(params, vocab) for _ in range(rows)], vocab)
     tokens = mx.repeat(y.reshape(1).astype(mx.uint32), rows)
-    position = len(prompt)
-    build, launch, wait, ops, row0 = [], [], [], 0, []
+    # ragged: row i at (i % ragged) positions before the others, as rows that joined apart
+    positions = [len(prompt) - i % ragged if ragged else len(prompt) for i in range(rows)]
+    build, launch, wait, ops, row0 = [], [], [], Counter[str](), []
     for i in range(steps + 3):
         t0 = time.perf_counter()
-        drawn = sampler.draw(step_logits(model, kv, tokens, position, n_ids, compiled))
+        drawn = sampler.draw(step_logits(model, kv, tokens, positions, n_ids, compiled))
         t1 = time.perf_counter()
         if i == 3:
             ops = primitives(drawn.tokens, *drawn.state)
@@ -92,10 +105,11 @@ def anatomy(
             build.append(t1 - t0)
             launch.append(t2 - t1b)
             wait.append(t3 - t2)
-        tokens, position = drawn.tokens, position + 1
+        tokens, positions = drawn.tokens, [p + 1 for p in positions]
     ms = {k: statistics.median(v) * 1e3 for k, v in (("build", build), ("launch", launch),
                                                       ("wait", wait))}  # fmt: skip
-    return {"rows": rows, "format": fmt, "traffic": traffic, "ops": ops, **{f"{k}_ms": round(v, 3)
+    return {"rows": rows, "format": fmt, "traffic": traffic, "ops": ops.total(),
+            "by_primitive": dict(ops.most_common()), **{f"{k}_ms": round(v, 3)
             for k, v in ms.items()}, "step_ms": round(sum(ms.values()), 3),
             "row0": row0}  # fmt: skip
 
@@ -109,6 +123,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--traffic", default="greedy,sampled")
     p.add_argument("--formats", default="auto", help="KV formats (--kv-format), e.g. auto,int8")
+    p.add_argument("--ragged", type=int, default=0, help="rows at N positions: masked steps")
     p.add_argument("--work", default="bench-work")
     a = p.parse_args()
     import mlx_lm
@@ -124,7 +139,7 @@ def main() -> None:
         for fmt in a.formats.split(","):
             for traffic in a.traffic.split(","):
                 try:
-                    r = anatomy(model, prompt, rows, traffic, a.steps, fmt)
+                    r = anatomy(model, prompt, rows, traffic, a.steps, fmt, a.ragged)
                 except Exception as e:  # one format's failure (a kernel's compile) is its line
                     print(f"| {rows} | {fmt} | {traffic} | failed: {type(e).__name__}: "
                           f"{str(e)[:300]} |", flush=True)  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,6 +11,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from veloxquant_mlx.engine.request import sampling
+from veloxquant_mlx.engine.request.host_draw import host_draw
 from veloxquant_mlx.engine.request.logit_filters import (
     bitmask_to_allowed,
     filter_logits,
@@ -108,6 +112,74 @@ def test_a_seeded_draw_is_the_same_by_histogram_or_sort():
         sampler = BatchSampler([RowSampling(p, 3000) for p in params], 3000, cut=cut)
         tokens.append([sampler.draw(logits).tokens.tolist() for _ in range(5)])
     assert tokens[0] == tokens[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    params=st.lists(row_params, min_size=1, max_size=6),
+    seed=st.integers(0, 2**31),
+    levels=st.sampled_from([0, 3, 40]),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    vocab=st.sampled_from([VOCAB, 5000]),
+    spread=st.sampled_from([0.3, 3.0]),
+)
+@example(  # a row sorted for top_k whose min_p floor is above its top_k cut
+    params=[SamplingParams(1.0, top_k=50, min_p=0.3), SamplingParams(0.7, top_p=0.5)],
+    seed=1,
+    levels=0,
+    dtype=mx.float32,
+    vocab=5000,
+    spread=3.0,
+)
+def test_the_hosts_draw_gives_the_sorted_cuts_tokens(params, seed, levels, dtype, vocab, spread):
+    """The CPU's draw (``host_draw``: top_p checked for the drawn token alone, a row sorted only
+    where that token may be cut) gives the device's sorted draw's tokens, step after step with
+    the rows' keys: ties, masked tokens and flat rows (where top_p cuts most draws) included."""
+    logits = mx.random.normal((len(params), vocab), key=mx.random.key(seed)) * spread
+    if levels:
+        logits = mx.round(logits * levels) / levels
+    logits = mx.where(mx.arange(vocab) % 13 == 4, -mx.inf, logits).astype(dtype)
+    seeded = [dataclasses.replace(p, seed=seed + i) for i, p in enumerate(params)]
+    samplers = [BatchSampler([RowSampling(p, vocab) for p in seeded], vocab) for _ in range(2)]
+    if not samplers[0].sampled:
+        return
+    on_device, on_host = [], []
+    for step in range(4):
+        step_logits = mx.roll(logits, step, axis=-1)
+        for sampler, out, host in ((samplers[0], on_device, False), (samplers[1], on_host, True)):
+            assert sampler.keys is not None
+            args = (step_logits, sampler.keys, sampler.inv_temp, sampler.top_p, sampler.top_k)
+            if host:
+                tokens, sampler.keys = host_draw(*args, sampler.min_p, sampler.uses_min_p)
+            else:
+                ranks = "sort" if sampler.uses_sort else ""
+                draw = sampling._compiled_draw(sampler.uses_min_p, ranks, sampler.uses_top_k)
+                tokens, sampler.keys = draw(*args, sampler.min_p)
+            out.append(np.array(tokens).tolist())
+    assert on_host == on_device
+
+
+def test_the_hosts_draw_sorts_only_rows_whose_token_top_p_may_cut(monkeypatch):
+    """Peaked rows (top_p keeps the drawn token by a wide margin) are not sorted; flat rows
+    whose drawn token is cut are, and then draw from the kept tokens."""
+    from veloxquant_mlx.engine.request import host_draw as module
+
+    sorted_rows = []
+    cut = module.row_rank_cut
+    monkeypatch.setattr(module, "row_rank_cut", lambda *a: sorted_rows.append(1) or cut(*a))
+    peaked = mx.array([[8.0, 0.0] + [-4.0] * (VOCAB - 2)] * 4)
+    rows = [RowSampling(SamplingParams(0.7, top_p=0.9, seed=i), VOCAB) for i in range(4)]
+    sampler = BatchSampler(rows, VOCAB)
+    assert np.array(sampler.draw(peaked).tokens).tolist() == [0, 0, 0, 0]
+    assert not sorted_rows
+    # top_p 0.1 keeps the top 10 of 97 near-equal tokens: most draws are cut
+    flat = mx.broadcast_to(mx.arange(VOCAB) * 1e-3, (64, VOCAB))
+    rows = [RowSampling(SamplingParams(1.0, top_p=0.1, seed=i), VOCAB) for i in range(64)]
+    tokens = np.array(BatchSampler(rows, VOCAB).draw(flat).tokens)
+    assert len(sorted_rows) > 32
+    one = (mx.array([[0.1]]), mx.array([[0]]), mx.array([[0.0]]))
+    kept = np.flatnonzero(np.array(filter_logits(flat[:1], *one, False, "sort")) > -np.inf)
+    assert len(kept) == 10 and np.isin(tokens, kept).all() and len(set(tokens.tolist())) > 3
 
 
 def args_of(sampler: BatchSampler) -> tuple:

@@ -16,17 +16,32 @@ def host_rank_cut(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.arra
     values = np.array(logits.astype(mx.float32))
     p, k = np.array(top_p)[:, 0], np.array(top_k)[:, 0]
     cut = np.full((values.shape[0], 1), -np.inf, dtype=np.float32)
-    vocab = values.shape[-1]
     for i in np.flatnonzero((p < 1.0) | (k > 0)):
-        ascending = np.sort(values[i])
-        if p[i] < 1.0:
-            probs = np.exp(ascending - ascending[-1])
-            mass_above = np.cumsum(probs[::-1])[::-1] - probs
-            dropped = min(int((mass_above >= p[i] * (mass_above[0] + probs[0])).sum()), vocab - 1)
-            cut[i, 0] = ascending[dropped]
-        if k[i] > 0:
-            cut[i, 0] = max(cut[i, 0], ascending[vocab - k[i]])
+        cut[i, 0] = row_rank_cut(values[i], p[i], k[i], values.shape[-1])
     return mx.array(cut).astype(logits.dtype)
+
+
+def row_rank_cut(row: np.ndarray, top_p: np.float32, top_k: int, vocab: int) -> np.float32:
+    """One row's top_p / top_k threshold (float32 logits; top_p 1.0 / top_k 0: not set): the
+    least logit kept, by numpy's sort, as ``filter_logits``'s "sort" finds it."""
+    ascending = np.sort(row)
+    cut = np.float32(-np.inf)
+    if top_p < 1.0:
+        probs = np.exp(ascending - ascending[-1])
+        mass_above = np.cumsum(probs[::-1])[::-1] - probs
+        dropped = min(int((mass_above >= top_p * (mass_above[0] + probs[0])).sum()), vocab - 1)
+        cut = ascending[dropped]
+    if top_k > 0:
+        cut = max(cut, ascending[vocab - top_k])
+    return cut
+
+
+def min_p_floor(logits: mx.array, min_p: mx.array) -> mx.array:
+    """Each row's min_p threshold [rows, 1] (-inf for rows with min_p 0): the top logit plus
+    log(min_p)."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    cut = top + mx.log(mx.maximum(min_p, 1e-30)).astype(logits.dtype)
+    return mx.where(min_p > 0, cut, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 def filter_logits(
@@ -51,9 +66,7 @@ def filter_logits(
     if rank_cut is not None:
         threshold = rank_cut
     if uses_min_p:
-        top = mx.max(logits, axis=-1, keepdims=True)
-        cut = top + mx.log(mx.maximum(min_p, 1e-30)).astype(logits.dtype)
-        threshold = mx.maximum(threshold, mx.where(min_p > 0, cut, floor))
+        threshold = mx.maximum(threshold, min_p_floor(logits, min_p))
     if ranks == "histogram":
         key, least = histogram_keys(logits, top_p, top_k, uses_top_k)
         return mx.where((logits >= threshold) & (key >= least), logits, floor)

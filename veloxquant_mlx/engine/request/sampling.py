@@ -4,9 +4,11 @@ Each request's settings become one row of per-row arrays (``RowSampling`` holds 
 row is out of a batch); ``BatchSampler`` samples every row of a step at once: logit bias as one
 sparse add, penalties from a table of each row's recent tokens, grammar masks as one bitmask,
 min_p / top_p / top_k as one threshold per row (one sort a step, only when some row needs
-it), temperature, and a Gumbel-max draw from each row's own random key (``mx.vmap`` over the
-keys), so a seeded request gives the same tokens alone or in any batch. Greedy rows take the
-argmax; a batch of greedy rows without processors costs one argmax.
+it; on a CPU the draw is made on the host and sorts only rows whose drawn token top_p may
+cut: ``host_draw``), temperature, and a Gumbel-max draw from each row's own random key
+(``mx.vmap`` over the keys), so a seeded request gives the same tokens alone or in any
+batch. Greedy rows take the argmax; a batch of greedy rows without processors costs one
+argmax.
 
 The filters, penalties and bias follow mlx_lm's ``make_sampler`` and ``make_logits_processors``
 (order: bias, repetition, presence, frequency, grammar; then top_p, min_p, top_k on the
@@ -24,7 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.request.logit_filters import HALF, filter_logits, host_rank_cut
+from veloxquant_mlx.engine.request.host_draw import host_draw
+from veloxquant_mlx.engine.request.logit_filters import HALF, filter_logits
 from veloxquant_mlx.engine.types import SamplingParams
 
 WINDOW = 20  # the tokens the penalties look back over (mlx_lm's default context size)
@@ -224,11 +227,11 @@ class BatchSampler:
                 ranks = "histogram"
             elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
                 ranks = "host"
-            draw = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)
-            extra = [host_rank_cut(logits, self.top_p, self.top_k)] if ranks == "host" else []
-            tokens, self.keys = draw(
-                logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p, *extra
-            )
+            args = (logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p)
+            if ranks == "host":
+                tokens, self.keys = host_draw(*args, self.uses_min_p)
+            else:
+                tokens, self.keys = _compiled_draw(self.uses_min_p, ranks, self.uses_top_k)(*args)
             state.append(self.keys)
         tokens = tokens.astype(mx.uint32)
         if self.top_logprobs is None:
@@ -269,7 +272,6 @@ def _draw(
     top_p: mx.array,
     top_k: mx.array,
     min_p: mx.array,
-    rank_cut: mx.array | None = None,
     *,
     uses_min_p: bool,
     ranks: str,
@@ -280,7 +282,7 @@ def _draw(
     pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
     vocab = logits.shape[-1]
     noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
-    kept = filter_logits(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k, rank_cut)
+    kept = filter_logits(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k)
     drawn = mx.argmax(kept * inv_temp.astype(logits.dtype) + noise, axis=-1)
     return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), pairs[:, 0]
 
@@ -288,18 +290,14 @@ def _draw(
 @functools.cache
 def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool) -> Any:
     """``_draw`` compiled once per filter combination (MLX traces it again per batch size).
-    ``ranks``: how the top_p / top_k cut is made ("sort", "histogram", "host": given as
-    ``rank_cut``; "": no row cuts by rank or mass)."""
-    draw = functools.partial(_draw, uses_min_p=uses_min_p, ranks=ranks, uses_top_k=uses_top_k)
-    if ranks == "host":
-        return mx.compile(draw)
+    ``ranks``: how the top_p / top_k cut is made ("sort", "histogram"; "": no row cuts by
+    rank or mass)."""
     return mx.compile(
-        lambda logits, keys, inv_temp, top_p, top_k, min_p: draw(
-            logits, keys, inv_temp, top_p, top_k, min_p, None
-        )
+        functools.partial(_draw, uses_min_p=uses_min_p, ranks=ranks, uses_top_k=uses_top_k)
     )
 
 
 # On a CPU, MLX's sort of a [rows, vocab] array costs more than the rest of sampling (26 ms
-# for 8 rows of 32,000 here, numpy's 2.4 ms): there the top_p / top_k cut is made on the host.
+# for 8 rows of 32,000 here, numpy's 2.4 ms): there rows that cut by top_p / top_k are drawn
+# on the host (``host_draw``), which sorts only the rows whose drawn token it must check so.
 HOST_RANK_CUT = True
