@@ -249,10 +249,21 @@ async def test_body_over_one_mib_is_413(client):
 async def test_full_queue_is_429_with_retry_after(client_for):
     client = await client_for(max_queue=1, max_running=1)
     long = {**COMPLETION, "max_tokens": 400}
-    first = asyncio.create_task(client.post("/v1/completions", json=long))
-    await asyncio.sleep(0.3)
+
+    async def until(gauge: str) -> None:  # (fixed sleeps: the first answer ended too soon once)
+        for _ in range(1000):
+            text = (await client.get("/metrics")).text
+            values = {s.name: s.value for f in text_string_to_metric_families(text)
+                      for s in f.samples if not s.labels}  # fmt: skip
+            if values.get(gauge) == 1:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{gauge} never 1")
+
+    first = asyncio.create_task(client.post("/v1/completions", json={**long, "max_tokens": 1500}))
+    await until("veloxquant_requests_running")
     second = asyncio.create_task(client.post("/v1/completions", json=long))
-    await asyncio.sleep(0.3)
+    await until("veloxquant_requests_waiting")
     r = await client.post("/v1/completions", json=long)
     err = assert_openai_error(r, 429, "queue_full")
     assert r.headers["retry-after"] and err["type"] == "rate_limit_error"
