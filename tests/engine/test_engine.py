@@ -193,6 +193,36 @@ def test_the_queue_is_bounded(make_engine):
     assert all(h.collect(60)[1].finish_reason == "length" for h in handles)
 
 
+def test_a_request_taken_by_the_engine_still_counts_against_the_queue(make_engine):
+    """The engine holds the second request taken from its inbox but not yet published as
+    queued (its turn stopped there): a third is still refused (it was let past the bound)."""
+    gate, inside, box = threading.Event(), threading.Event(), {}
+
+    def hook() -> None:  # engine thread, after a turn's requests are applied
+        engine = box.get("engine")
+        if engine is not None and box.get("second") in engine._core._live and not gate.is_set():
+            inside.set()
+            gate.wait(30)
+
+    engine = make_engine(n_blocks=2 * 160, max_queue=1, max_running=1, step_hook=hook)
+    box["engine"] = engine
+    ps = prompts(engine, 3)
+    first = engine.submit(request(ps[0], max_tokens=400))
+    next(e for e in first.events(30) if isinstance(e, TokenEvent))
+    box["second"] = engine._next_request_id + 1
+    second = engine.submit(request(ps[1], max_tokens=5))
+    assert inside.wait(30)
+    try:
+        assert engine.stats().waiting == 1
+        with pytest.raises(QueueFullError):
+            engine.submit(request(ps[2], max_tokens=5))
+    finally:
+        gate.set()
+    engine.cancel(first)
+    assert first.collect(60)[1].finish_reason == "cancelled"
+    assert second.collect(60)[1].finish_reason == "length"
+
+
 def test_cancel_frees_blocks_whether_queued_prefilling_or_decoding(make_engine):
     engine = make_engine(n_blocks=2 * 600, prefill_step=16, max_running=2)
     ps = prompts(engine, 3)

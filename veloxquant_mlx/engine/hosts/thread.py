@@ -360,7 +360,8 @@ class Engine(HostBase):
         """A frozen snapshot of the counters and the last published step. Thread-safe."""
         ib = self._inbox
         with ib.lock:
-            c, snap, queued, disk = ib.counters, ib.snapshot, len(ib.adds), ib.disk
+            c, snap, disk = ib.counters, ib.snapshot, ib.disk
+            queued = ib.n_waiting - snap.waiting + len(ib.adds)  # not yet in the snapshot
             counters = {
                 "prompt_tokens_total": c.prompt_tokens,
                 "generated_tokens_total": c.generated_tokens,

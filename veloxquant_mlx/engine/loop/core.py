@@ -182,6 +182,8 @@ class EngineCore:
         sched, runner, clock = self.scheduler, self.runner, self._clock
         clock.start()
         plan = sched.schedule(prefill=not runner.staging())
+        with self.inbox.lock:  # submit's bound, before any token of this turn is sent
+            self.inbox.n_waiting = len(sched.waiting)
         clock.mark()
         for seq in plan.unservable:
             self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)

@@ -97,7 +97,9 @@ class Inbox:
         self.alive = False
         self.counters = Counters()
         self.snapshot = StepSnapshot()
-        self.n_waiting = 0  # queued in the scheduler, mirrored for submit's bound
+        # queued in the scheduler, mirrored for submit's bound: counted up as ``Turns._take``
+        # takes requests, set as each turn's plan leaves them (``EngineCore._turn``)
+        self.n_waiting = 0
         # the disk tier, whose writer counts while the engine is idle (``disk_fields``)
         self.disk: DiskTier | None = None
 

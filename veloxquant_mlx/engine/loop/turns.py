@@ -76,6 +76,9 @@ class TurnSource:
                 ib.lock.wait(left)
             adds = list(ib.adds)
             ib.adds.clear()
+            # Still waiting to submit's bound until the turn's plan counts them: without this
+            # a submit between the two saw neither and went past --max-queue.
+            ib.n_waiting += len(adds)
             cancels, ib.cancels = ib.cancels, set()
             commands = list(ib.commands)
             ib.commands.clear()
