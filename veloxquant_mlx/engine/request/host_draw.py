@@ -7,8 +7,8 @@ the kept tokens whenever it is kept itself (the kept tokens are a subset, with t
 and it is kept exactly when the probability mass of the tokens above its logit is short of
 top_p of the total: one exp and one sum over the row. A row whose drawn token is cut, or whose
 mass lies within float32's rounding of the cut (where the sort's float32 running sum could
-decide either way), takes the sort's cut (``host_rank_cut``) and draws again with the same
-noise. So the tokens are the sort's, for every seed; a sort is made for about (1 - top_p) of
+decide either way), takes the sort's cut (``row_rank_cut``) and draws again with the same
+noise; a top_k row always does. So the tokens are the sort's, for every seed; a sort is made for about (1 - top_p) of
 the sampled rows.
 """
 
@@ -55,9 +55,9 @@ def host_draw(
 
 def _surely_kept(rows: np.ndarray, drawn: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     """Whether the sort's top_p cut keeps each row's drawn token (logit ``drawn``): the mass
-    above it short of ``top_p`` of the total by more than the sort's float32 running sum can be
-    off (its probabilities are these, the same float32 exps; summed here pairwise, off by far
-    less). Rows with top_p 1.0 are kept."""
+    above it short of ``top_p`` of the total by more than the sort's float32 running sum and its
+    exps can be off from these (each at most ``vocab`` float32 roundings of the total; summed
+    here pairwise, off by far less). Rows with top_p 1.0 are kept."""
     probs = np.exp(rows - rows.max(axis=-1, keepdims=True))
     total = probs.sum(axis=-1)
     above = (probs * (rows > drawn[:, None])).sum(axis=-1)
