@@ -8,8 +8,8 @@ and it is kept exactly when the probability mass of the tokens above its logit i
 top_p of the total: one exp and one sum over the row. A row whose drawn token is cut, or whose
 mass lies within float32's rounding of the cut (where the sort's float32 running sum could
 decide either way), takes the sort's cut (``row_rank_cut``) and draws again with the same
-noise; a top_k row always does. So the tokens are the sort's, for every seed; a sort is made for about (1 - top_p) of
-the sampled rows.
+noise; a top_k row always does. So the tokens are the sort's, for every seed; a sort is made
+for about (1 - top_p) of the sampled rows.
 """
 
 from __future__ import annotations
