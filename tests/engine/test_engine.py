@@ -223,6 +223,37 @@ def test_a_request_taken_by_the_engine_still_counts_against_the_queue(make_engin
     assert second.collect(60)[1].finish_reason == "length"
 
 
+def test_a_cancelled_queued_request_leaves_the_queue_at_once(make_engine):
+    """Once the engine has applied a queued request's cancel (its turn stopped right after),
+    the place it held is free to the next submit."""
+    gate, inside, box = threading.Event(), threading.Event(), {}
+
+    def hook() -> None:  # engine thread, after a turn's requests and cancels are applied
+        second = box.get("second")
+        if second is not None and second.done and not gate.is_set():
+            inside.set()
+            gate.wait(30)
+
+    engine = make_engine(n_blocks=2 * 160, max_queue=1, max_running=1, step_hook=hook)
+    ps = prompts(engine, 3)
+    first = engine.submit(request(ps[0], max_tokens=400))
+    next(e for e in first.events(30) if isinstance(e, TokenEvent))
+    second = engine.submit(request(ps[1], max_tokens=5))
+    while engine.stats().waiting != 1:
+        time.sleep(0.001)
+    box["second"] = second
+    engine.cancel(second)
+    assert inside.wait(30)
+    try:
+        third = engine.submit(request(ps[2], max_tokens=5))
+    finally:
+        gate.set()
+    engine.cancel(first)
+    assert second.collect(60)[1].finish_reason == "cancelled"
+    assert first.collect(60)[1].finish_reason == "cancelled"
+    assert third.collect(60)[1].finish_reason == "length"
+
+
 def test_cancel_frees_blocks_whether_queued_prefilling_or_decoding(make_engine):
     engine = make_engine(n_blocks=2 * 600, prefill_step=16, max_running=2)
     ps = prompts(engine, 3)

@@ -138,6 +138,14 @@ class EngineCore:
             cancelled = self._live.get(request_id)
             if cancelled is not None:
                 self._end(cancelled, "cancelled")
+        if turn.adds or turn.cancels:
+            self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        """Submit's bound (``--max-queue``): the requests queued now (those taken from the inbox
+        were counted as they were taken)."""
+        with self.inbox.lock:
+            self.inbox.n_waiting = len(self.scheduler.waiting)
 
     def execute(self, command: Command) -> Any:
         """Run one caller's command between steps."""
@@ -182,8 +190,7 @@ class EngineCore:
         sched, runner, clock = self.scheduler, self.runner, self._clock
         clock.start()
         plan = sched.schedule(prefill=not runner.staging())
-        with self.inbox.lock:  # submit's bound, before any token of this turn is sent
-            self.inbox.n_waiting = len(sched.waiting)
+        self._count_waiting()  # before any token of this turn is sent
         clock.mark()
         for seq in plan.unservable:
             self._end(seq, "error", _SHRUNK, CAPACITY_REDUCED)

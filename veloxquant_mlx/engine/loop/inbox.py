@@ -98,7 +98,8 @@ class Inbox:
         self.counters = Counters()
         self.snapshot = StepSnapshot()
         # queued in the scheduler, mirrored for submit's bound: counted up as ``Turns._take``
-        # takes requests, set as each turn's plan leaves them (``EngineCore._turn``)
+        # takes requests, set when they are queued or cancelled and as each turn's plan leaves
+        # them (``EngineCore._count_waiting``)
         self.n_waiting = 0
         # the disk tier, whose writer counts while the engine is idle (``disk_fields``)
         self.disk: DiskTier | None = None
