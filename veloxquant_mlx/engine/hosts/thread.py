@@ -361,7 +361,7 @@ class Engine(HostBase):
         ib = self._inbox
         with ib.lock:
             c, snap, disk = ib.counters, ib.snapshot, ib.disk
-            queued = ib.n_waiting - snap.waiting + len(ib.adds)  # not yet in the snapshot
+            waiting = ib.n_waiting + len(ib.adds)  # what submit's bound counts (fresher)
             counters = {
                 "prompt_tokens_total": c.prompt_tokens,
                 "generated_tokens_total": c.generated_tokens,
@@ -370,7 +370,7 @@ class Engine(HostBase):
             }
         live = {} if disk is None else disk_fields(disk)
         return EngineStats.of(
-            dataclasses.replace(snap, waiting=snap.waiting + queued, **live),
+            dataclasses.replace(snap, waiting=waiting, **live),
             alive=self.alive,
             ready=self.ready,
             draining=self.draining,

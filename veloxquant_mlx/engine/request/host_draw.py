@@ -65,6 +65,18 @@ def _surely_kept(rows: np.ndarray, drawn: np.ndarray, top_p: np.ndarray) -> np.n
     return (top_p >= 1.0) | (above < top_p * total - slack)
 
 
+def tempered_with_noise(
+    logits: mx.array, keys: mx.array, inv_temp: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Each row's (kept) logits over its temperature plus Gumbel noise from its own key, and
+    its next key: what both draws (this one and ``sampling._draw``) take the argmax of, one
+    computation so that they draw the same tokens."""
+    pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
+    vocab = logits.shape[-1]
+    noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
+    return logits * inv_temp.astype(logits.dtype) + noise, pairs[:, 0]
+
+
 @functools.cache
 def _device_part(uses_min_p: bool) -> Any:
     """What the device computes for the host's draw, compiled: each row's tempered logits plus
@@ -73,12 +85,9 @@ def _device_part(uses_min_p: bool) -> Any:
     def part(
         logits: mx.array, keys: mx.array, inv_temp: mx.array, min_p: mx.array
     ) -> tuple[mx.array, ...]:
-        pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
-        vocab = logits.shape[-1]
-        noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
-        scores = logits * inv_temp.astype(logits.dtype) + noise  # as ``sampling._draw`` adds
+        scores, next_keys = tempered_with_noise(logits, keys, inv_temp)
         if uses_min_p:
             scores = mx.where(logits >= min_p_floor(logits, min_p), scores, -mx.inf)
-        return scores.astype(mx.float32), pairs[:, 0]
+        return scores.astype(mx.float32), next_keys
 
     return mx.compile(part)

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.request.host_draw import host_draw
+from veloxquant_mlx.engine.request.host_draw import host_draw, tempered_with_noise
 from veloxquant_mlx.engine.request.logit_filters import HALF, filter_logits
 from veloxquant_mlx.engine.types import SamplingParams
 
@@ -279,12 +279,10 @@ def _draw(
 ) -> tuple[mx.array, mx.array]:
     """Each row's token (a Gumbel-max draw from its filtered, tempered logits with its own
     key; the argmax for greedy rows) and each row's next key."""
-    pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
-    vocab = logits.shape[-1]
-    noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
     kept = filter_logits(logits, top_p, top_k, min_p, uses_min_p, ranks, uses_top_k)
-    drawn = mx.argmax(kept * inv_temp.astype(logits.dtype) + noise, axis=-1)
-    return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), pairs[:, 0]
+    scores, next_keys = tempered_with_noise(kept, keys, inv_temp)
+    drawn = mx.argmax(scores, axis=-1)
+    return mx.where(inv_temp[:, 0] > 0, drawn, mx.argmax(logits, axis=-1)), next_keys
 
 
 @functools.cache
