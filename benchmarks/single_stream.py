@@ -61,6 +61,7 @@ def layout_with_rows(
     codec: Any = None,
     kernel: bool = False,
     recent: int = 0,
+    ragged: Any = None,
 ) -> tuple[Any, int]:
     """A ``kv.paged`` layout holding ``rows`` copies of a prefilled row (``layers``), each
     with blocks for ``n_new`` more tokens, and ``extra_ids`` free block ids: (it, its ids).
@@ -68,7 +69,8 @@ def layout_with_rows(
     ``kv.attention.install``). ``codec``: the KV's format (``kv.codec.KVCodec``; None: the
     model's type; ``kernel``: a quantized codec's rows attend through
     ``--quantized-attention fused``'s route, which the model's attention must be routed to;
-    ``recent``: a quantized codec's residual window, routed the same way)."""
+    ``recent``: a quantized codec's residual window, routed the same way; ``ragged``: how
+    masked steps attend, a ``kv.attention.RaggedAttention``, default MLX's)."""
     from veloxquant_mlx.kv.paged import make_kv
 
     n_layers, start = len(layers), layers[0][0].shape[2]
@@ -76,8 +78,8 @@ def layout_with_rows(
     n_ids = rows * 2 * n_layers * blocks + extra_ids
     fused = layout == "fused"
     kv = make_kv(
-        "paged" if fused else layout, n_layers, BLOCK, n_ids, fused=fused, codec=codec,
-        kernel=kernel, recent=recent,
+        "paged" if fused else layout, n_layers, BLOCK, n_ids, ragged=ragged, fused=fused,
+        codec=codec, kernel=kernel, recent=recent,
     )  # fmt: skip
     for r in range(rows):
         first = r * 2 * n_layers * blocks

@@ -15,6 +15,8 @@ on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on
 with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA); ``+wN``
 adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+fast``
 is ``+fused`` with the kernels' fast step (``kv.quantized_attention._FAST_STEP``);
+``+sdpa`` (the default here) and ``+matmul`` say how a ragged step attends
+(``--ragged-attention``, e.g. ``auto+matmul``, the server's on a GPU from 32 rows);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
 ``kv.compiled_step``; its graph then holds the compile's fused kernels, one operation each). Each
 line also says whether row 0's greedy tokens over the steps are the first format's; its JSON
@@ -74,11 +76,14 @@ def anatomy(
     codec = parse(name, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
     kernel = "fused" in hows or "fast" in hows
     recent = next((int(h[1:]) for h in hows if h.startswith("w")), 0)
-    if kernel or recent:
+    mode = next((h for h in hows if h in attention.MODES), "sdpa")
+    policy = attention.RaggedAttention(mode)
+    if kernel or recent or mode == "matmul":
         attention.install(model)
     kv, n_ids = layout_with_rows(
-        "dense", layers, rows, steps + 4, codec=codec, kernel=kernel, recent=recent
-    )
+        "dense", layers, rows, steps + 4, codec=codec, kernel=kernel, recent=recent,
+        ragged=policy,
+    )  # fmt: skip
     if "fast" in hows:  # the kernels' fast step (kv.quantized_attention._FAST_STEP)
         kv.kernel.fast = True
     compiled = CompiledStep(model, kv.n_layers) if "compiled" in hows else None
