@@ -104,10 +104,14 @@ def layout_config(layout: str) -> dict[str, str]:
     return {"kv_layout": layout}
 
 
-def write_model(target: Path, shape: str, dtype: str, tokenizer_vocab: bool = False) -> Path:
+def write_model(
+    target: Path, shape: str, dtype: str, tokenizer_vocab: bool = False, fill: bool = False
+) -> Path:
     """A random-weight Llama of ``shape`` with the shipped tokenizer (reused if present).
     ``tokenizer_vocab``: the tokenizer's vocabulary instead of the shape's, so that sampled ids
-    decode to text (time to first *text* then means time to first token)."""
+    decode to text (time to first *text* then means time to first token). ``fill``: the shape's
+    vocabulary, the tokenizer grown to it (``fill_tokenizer``), so that every id decodes to
+    text, greedy's as sampled's."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -128,7 +132,23 @@ def write_model(target: Path, shape: str, dtype: str, tokenizer_vocab: bool = Fa
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copyfile(ASSETS / name, target / name)
+    if fill:
+        fill_tokenizer(target / "tokenizer.json", config["vocab_size"])
     return target
+
+
+def fill_tokenizer(path: Path, vocab: int) -> None:
+    """Grow the tokenizer at ``path`` to ``vocab`` ids with added tokens (" w<id>", not
+    special), so that a model whose vocabulary is larger than the shipped tokenizer's (2,048)
+    decodes every id it emits to text, as a real model's tokenizer does: without it a random
+    model's greedy ids mostly lie past the tokenizer and stream nothing, which no real model's
+    traffic does."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    have = tok.get_vocab_size(with_added_tokens=True)
+    tok.add_tokens([AddedToken(f" w{i}", normalized=False) for i in range(have, vocab)])
+    tok.save(str(path))
 
 
 def words_for(path: Path, tokens: int) -> int:
@@ -296,6 +316,12 @@ def main() -> None:
         help="the shipped tokenizer's vocabulary instead of the shape's (generated text is real)",
     )
     p.add_argument(
+        "--tokenizer-fill",
+        action="store_true",
+        help="the shape's vocabulary, the shipped tokenizer grown to it with added tokens: every "
+        "id decodes to text (greedy streams text, as with a real model)",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -338,8 +364,10 @@ def main() -> None:
     max_tokens = (int(lo), int(hi or lo))
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-tokvocab" if a.tokenizer_vocab else ""
-    path = write_model(work / f"model-{a.shape}{suffix}", a.shape, a.dtype, a.tokenizer_vocab)
+    suffix = "-tokvocab" if a.tokenizer_vocab else "-tokfill" if a.tokenizer_fill else ""
+    path = write_model(
+        work / f"model-{a.shape}{suffix}", a.shape, a.dtype, a.tokenizer_vocab, a.tokenizer_fill
+    )
     words = words_for(path, a.prompt_tokens)
     shared = words_for(path, a.shared_prefix_tokens) if a.shared_prefix_tokens else 0
     base = ["--prompt-words", f"{words}-{words}", "--max-tokens", a.max_tokens,

@@ -11,8 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from veloxquant_mlx.engine.request import sampling
-from veloxquant_mlx.engine.request.host_draw import host_draw
+from veloxquant_mlx.engine.request.host_draw import gumbel_noise, host_draw
 from veloxquant_mlx.engine.request.logit_filters import (
     bitmask_to_allowed,
     filter_logits,
@@ -133,8 +132,9 @@ def test_a_seeded_draw_is_the_same_by_histogram_or_sort():
 )
 def test_the_hosts_draw_gives_the_sorted_cuts_tokens(params, seed, levels, dtype, vocab, spread):
     """The CPU's draw (``host_draw``: top_p checked for the drawn token alone, a row sorted only
-    where that token may be cut) gives the device's sorted draw's tokens, step after step with
-    the rows' keys: ties, masked tokens and flat rows (where top_p cuts most draws) included."""
+    where that token may be cut) gives the tokens of the device's sorted cut (``filter_logits``)
+    with the same noise, step after step with the rows' keys: ties, masked tokens and flat rows
+    (where top_p cuts most draws) included."""
     logits = mx.random.normal((len(params), vocab), key=mx.random.key(seed)) * spread
     if levels:
         logits = mx.round(logits * levels) / levels
@@ -152,11 +152,37 @@ def test_the_hosts_draw_gives_the_sorted_cuts_tokens(params, seed, levels, dtype
             if host:
                 tokens, sampler.keys = host_draw(*args, sampler.min_p, sampler.uses_min_p)
             else:
-                ranks = "sort" if sampler.uses_sort else ""
-                draw = sampling._compiled_draw(sampler.uses_min_p, ranks, sampler.uses_top_k)
-                tokens, sampler.keys = draw(*args, sampler.min_p)
+                tokens, sampler.keys = sorted_draw(step_logits, sampler)
             out.append(np.array(tokens).tolist())
     assert on_host == on_device
+
+
+def sorted_draw(logits: mx.array, sampler: BatchSampler) -> tuple[np.ndarray, mx.array]:
+    """The draw ``host_draw`` must equal: every sampled row cut by the device's sort
+    (``filter_logits``, min_p too), tempered, plus the host's noise of the row's step key, its
+    argmax; greedy rows the argmax."""
+    assert sampler.keys is not None
+    kept = filter_logits(
+        logits, sampler.top_p, sampler.top_k, sampler.min_p, sampler.uses_min_p, "sort"
+    )
+    pairs = mx.vmap(mx.random.split)(sampler.keys)
+    values, noise_keys = np.array(kept.astype(mx.float32)), np.array(pairs[:, 1])
+    t = np.array(sampler.inv_temp)[:, 0]
+    tokens = np.array(mx.argmax(logits, axis=-1))
+    for i in np.flatnonzero(t > 0):
+        tokens[i] = (values[i] * t[i] + gumbel_noise(noise_keys[i], values.shape[-1])).argmax()
+    return tokens, pairs[:, 0]
+
+
+def test_the_hosts_noise_is_gumbel_and_the_keys_own():
+    """``gumbel_noise``: finite, the standard Gumbel's mean (Euler's 0.5772) and variance
+    (pi^2 / 6) over 200,000 values, a function of the key alone."""
+    key = np.array([7, 11], dtype=np.uint32)
+    g = gumbel_noise(key, 200_000)
+    assert g.dtype == np.float32 and np.isfinite(g).all()
+    assert abs(g.mean() - 0.5772) < 0.01 and abs(g.var() - np.pi**2 / 6) < 0.03
+    assert np.array_equal(g[:50], gumbel_noise(key, 50))
+    assert not np.array_equal(g[:50], gumbel_noise(np.array([7, 12], dtype=np.uint32), 50))
 
 
 def test_the_hosts_draw_sorts_only_rows_whose_token_top_p_may_cut(monkeypatch):
@@ -316,9 +342,10 @@ def test_top_k_at_or_past_the_vocabulary_is_refused():
 def test_an_engine_with_the_histogram_cut_draws_the_sort_engines_tokens(
     default_model_dir, monkeypatch
 ):
-    """``--sampling-cut histogram`` end to end: a bfloat16 model (16-bit logits) on this CPU,
-    seeded top_p / top_k requests alone and batched give the sort engine's tokens (the sort
-    made on the host here), and the pool ends all free."""
+    """``--sampling-cut histogram`` end to end: a bfloat16 model (16-bit logits) on this CPU
+    with the draw on the device, as on a GPU (a CPU draws every sampled row on the host, which
+    takes no cut by histogram: ``HOST_DRAW`` off here), seeded top_p / top_k requests alone and
+    batched give the sort engine's tokens, and the pool ends all free."""
     from tests.engine.conftest import assert_engine_all_free, wait_idle
     from veloxquant_mlx.engine.config import EngineConfig
     from veloxquant_mlx.engine.hosts.thread import Engine
@@ -328,6 +355,7 @@ def test_an_engine_with_the_histogram_cut_draws_the_sort_engines_tokens(
     traced = []
     keys = logit_filters.histogram_keys
     monkeypatch.setattr(logit_filters, "histogram_keys", lambda *a: traced.append(1) or keys(*a))
+    monkeypatch.setattr(sampling, "HOST_DRAW", False)
     sampling._compiled_draw.cache_clear()
     prompt = tuple(range(5, 40))
     params = [SamplingParams(0.9, top_p=0.9, seed=s) for s in range(4)]

@@ -29,8 +29,9 @@ class TuningSettings(BaseModel):
         "auto",
         description="How sampled rows' top_p / top_k cut is found: sort (one sort of the "
         "step's logits), histogram (the probability mass at each of the 65,536 values of "
-        "16-bit logits, summed from the top: the same tokens, no sort), auto (sort; a CPU "
-        "model's float32 logits are cut on the host).",
+        "16-bit logits, summed from the top: the same tokens, no sort), auto (sort). On a CPU "
+        "every sampled row is drawn on the host, which sorts only rows whose drawn token "
+        "top_p may cut, whatever this says.",
     )
     prefill_attention: Literal["auto", "sdpa", "matmul", "buckets"] = Field(
         "auto",

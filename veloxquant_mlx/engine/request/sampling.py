@@ -4,11 +4,11 @@ Each request's settings become one row of per-row arrays (``RowSampling`` holds 
 row is out of a batch); ``BatchSampler`` samples every row of a step at once: logit bias as one
 sparse add, penalties from a table of each row's recent tokens, grammar masks as one bitmask,
 min_p / top_p / top_k as one threshold per row (one sort a step, only when some row needs
-it; on a CPU the draw is made on the host and sorts only rows whose drawn token top_p may
-cut: ``host_draw``), temperature, and a Gumbel-max draw from each row's own random key
-(``mx.vmap`` over the keys), so a seeded request gives the same tokens alone or in any
-batch. Greedy rows take the argmax; a batch of greedy rows without processors costs one
-argmax.
+it), temperature, and a Gumbel-max draw from each row's own random key (``mx.vmap`` over the
+keys), so a seeded request gives the same tokens alone or in any batch. On a CPU every sampled
+row is drawn on the host instead (``host_draw``: numpy's noise from the same keys, a sort only
+for rows whose drawn token top_p may cut). Greedy rows take the argmax; a batch of greedy
+rows without processors costs one argmax.
 
 The filters, penalties and bias follow mlx_lm's ``make_sampler`` and ``make_logits_processors``
 (order: bias, repetition, presence, frequency, grammar; then top_p, min_p, top_k on the
@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.engine.request.host_draw import host_draw, tempered_with_noise
+from veloxquant_mlx.engine.request.host_draw import host_draw
 from veloxquant_mlx.engine.request.logit_filters import HALF, filter_logits
 from veloxquant_mlx.engine.types import SamplingParams
 
@@ -223,10 +223,10 @@ class BatchSampler:
         if self.sampled:
             assert self.keys is not None
             ranks = "sort" if self.uses_sort else ""
-            if ranks and self.cut == "histogram" and logits.dtype in HALF:
-                ranks = "histogram"
-            elif ranks and HOST_RANK_CUT and mx.default_device() == mx.cpu:
+            if HOST_DRAW and mx.default_device() == mx.cpu:  # every sampled row: one noise
                 ranks = "host"
+            elif ranks and self.cut == "histogram" and logits.dtype in HALF:
+                ranks = "histogram"
             args = (logits, self.keys, self.inv_temp, self.top_p, self.top_k, self.min_p)
             if ranks == "host":
                 tokens, self.keys = host_draw(*args, self.uses_min_p)
@@ -265,6 +265,17 @@ class BatchSampler:
         return logits - (self.frequency * counts).astype(dtype)
 
 
+def tempered_with_noise(
+    logits: mx.array, keys: mx.array, inv_temp: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Each row's (kept) logits over its temperature plus Gumbel noise from its own key (MLX's,
+    on the device), and its next key: what the device's draw takes the argmax of."""
+    pairs = mx.vmap(mx.random.split)(keys)  # [rows, 2, 2]
+    vocab = logits.shape[-1]
+    noise = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(pairs[:, 1])
+    return logits * inv_temp.astype(logits.dtype) + noise, pairs[:, 0]
+
+
 def _draw(
     logits: mx.array,
     keys: mx.array,
@@ -296,6 +307,7 @@ def _compiled_draw(uses_min_p: bool, ranks: str, uses_top_k: bool) -> Any:
 
 
 # On a CPU, MLX's sort of a [rows, vocab] array costs more than the rest of sampling (26 ms
-# for 8 rows of 32,000 here, numpy's 2.4 ms): there rows that cut by top_p / top_k are drawn
-# on the host (``host_draw``), which sorts only the rows whose drawn token it must check so.
-HOST_RANK_CUT = True
+# for 8 rows of 32,000 here, numpy's 2.4 ms) and its Gumbel noise 3.5 ms (numpy's 0.8): there
+# every sampled row is drawn on the host (``host_draw``: numpy's noise, a sort only for rows
+# whose drawn token top_p may cut), so a seed's noise is the same alone or in any batch.
+HOST_DRAW = True
