@@ -1,6 +1,7 @@
 """The Vercel AI SDK (Node) with tools and ``Output.object`` against the embedded model, from
 ``tests/compat/node/ai_sdk.mjs``: run when ``node`` and ``npm`` are present (its packages are
-installed there once, from the lock file)."""
+installed there once, from the lock file). The random-weight model sampled at temperature 1 may
+call the tool at every step, so the script tries a few seeds; one must end in the object."""
 
 from __future__ import annotations
 
