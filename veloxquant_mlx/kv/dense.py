@@ -124,8 +124,7 @@ class DenseKV:
             k[:rows, :, p0 : p0 + 1] = keys
             v[:rows, :, p0 : p0 + 1] = values
         else:
-            r, h = batch.scatter_index(keys.shape[1])
-            p = batch.positions[:, None]
+            r, h, p = batch.scatter_index(keys.shape[1])
             k[r, h, p] = keys[:, :, 0, :]
             v[r, h, p] = values[:, :, 0, :]
         self.k[layer], self.v[layer] = k, v

@@ -58,7 +58,7 @@ class StepBatch:
         self.read_width = -(-self.width // chunk) * chunk
         self.whole = False  # the layout reads whole rows (``read_whole``): always masked
         self._masks: dict[int | None, mx.array] = {}
-        self._index: dict[int, tuple[mx.array, mx.array]] = {}  # by KV heads
+        self._index: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # by KV heads
         self._cols: mx.array | None = None  # arange(read_width) where given (``traced``)
 
     @classmethod
@@ -114,12 +114,18 @@ class StepBatch:
         self.whole = True
         self._masks.clear()
 
-    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array]:
-        """Row and head indices for writing one token per row at its position (made once a
-        step, not once a layer)."""
+    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Row, head and position indices for writing one token per row at its position, each
+        ``[rows, heads]`` (made once a step, not once a layer: a layer's scatter then
+        broadcasts none of them)."""
         index = self._index.get(heads)
         if index is None:
-            index = self._index[heads] = (mx.arange(self.rows)[:, None], mx.arange(heads)[None, :])
+            shape = (self.rows, heads)
+            index = self._index[heads] = (
+                mx.broadcast_to(mx.arange(self.rows)[:, None], shape),
+                mx.broadcast_to(mx.arange(heads)[None, :], shape),
+                mx.broadcast_to(self.positions[:, None], shape),
+            )
         return index
 
 
