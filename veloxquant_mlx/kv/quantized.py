@@ -70,7 +70,6 @@ class QuantizedDenseKV(DenseKV):
         self.rk: list[mx.array] = []  # per layer [rows, kv_heads, recent, D]: the ring
         self.rv: list[mx.array] = []
         self._batch: StepBatch | None = None
-        self._slots: tuple[StepBatch, mx.array] | None = None  # ``_ring_slots``' of a step
 
     @property
     def kernel(self) -> quantized_attention.QuantizedAttention | None:
@@ -174,18 +173,11 @@ class QuantizedDenseKV(DenseKV):
                     slot = (batch.width - 1) % self.recent
                     ring[:rows, :, slot : slot + 1] = src
                 else:
-                    r, h, _ = batch.scatter_index(keys.shape[1])
-                    ring[r, h, self._ring_slots(batch, keys.shape[1])] = src[:, :, 0, :]
+                    r, h, at = batch.scatter_index(keys.shape[1], self.recent)
+                    ring[r, h, at] = src[:, :, 0, :]
         if self.fused:
             return keys, values  # the new token only: ``attend`` reads the rest
         return out[0], out[1]
-
-    def _ring_slots(self, batch: StepBatch, heads: int) -> mx.array:
-        """Each row's ring slot for its new token, ``[rows, heads]`` (made once a step)."""
-        if self._slots is None or self._slots[0] is not batch:
-            slots = mx.broadcast_to((batch.positions % self.recent)[:, None], (batch.rows, heads))
-            self._slots = (batch, slots)
-        return self._slots[1]
 
     def attend(
         self, layer: int, queries: mx.array, keys: Any, values: Any, scale: float

@@ -58,7 +58,7 @@ class StepBatch:
         self.read_width = -(-self.width // chunk) * chunk
         self.whole = False  # the layout reads whole rows (``read_whole``): always masked
         self._masks: dict[int | None, mx.array] = {}
-        self._index: dict[int, tuple[mx.array, mx.array, mx.array]] = {}  # by KV heads
+        self._index: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}  # heads, ring
         self._cols: mx.array | None = None  # arange(read_width) where given (``traced``)
 
     @classmethod
@@ -114,18 +114,21 @@ class StepBatch:
         self.whole = True
         self._masks.clear()
 
-    def scatter_index(self, heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    def scatter_index(self, heads: int, ring: int = 0) -> tuple[mx.array, mx.array, mx.array]:
         """Row, head and position indices for writing one token per row at its position, each
         ``[rows, heads]`` (made once a step, not once a layer: a layer's scatter then
-        broadcasts none of them)."""
-        index = self._index.get(heads)
+        broadcasts none of them); with ``ring``, the position's slot in a ring of that many."""
+        index = self._index.get((heads, ring))
         if index is None:
             shape = (self.rows, heads)
-            index = self._index[heads] = (
-                mx.broadcast_to(mx.arange(self.rows)[:, None], shape),
-                mx.broadcast_to(mx.arange(heads)[None, :], shape),
-                mx.broadcast_to(self.positions[:, None], shape),
-            )
+            if ring:  # the rows' and heads' indices are the plain write's
+                r, h, _ = self.scatter_index(heads)
+                at = mx.broadcast_to((self.positions % ring)[:, None], shape)
+            else:
+                r = mx.broadcast_to(mx.arange(self.rows)[:, None], shape)
+                h = mx.broadcast_to(mx.arange(heads)[None, :], shape)
+                at = mx.broadcast_to(self.positions[:, None], shape)
+            index = self._index[(heads, ring)] = (r, h, at)
         return index
 
 
