@@ -19,6 +19,12 @@ step's attention over all the shape's layers, bfloat16 on a GPU:
   matmul``, the GPU default): each KV head's query heads as the rows of one product, K and V
   read once per KV head in place, where MLX's fallback broadcasts them over the query heads.
 
+With ``--formats int8,int4`` the same rows' K and V quantized (``mx.quantize``, groups of 64,
+or 32 for narrower heads) and attended by ``--quantized-attention fused``'s kernels (CUDA
+only), each of its steps (``kv.quantized_kernels``: ``tile``, the server's; ``plain`` and
+``fast``, a warp per position), with each one's largest difference from the attention over
+the dequantized codes.
+
 Then one whole decode step of the shape's model (random weights, the engine's dense
 ``StepCache``), ragged rows, with the attention done each of those ways.
 """
@@ -127,6 +133,54 @@ def attention_only(shape: dict[str, Any], rows: int, width: int, repeats: int, d
     return out
 
 
+def quantized_only(
+    shape: dict[str, Any], rows: int, width: int, repeats: int, dtype: Any, fmt: str
+) -> dict:
+    """The quantized kernels' steps over ragged rows of ``fmt`` ("int8", "int4") codes, every
+    layer: ms a step, and each one's largest difference from the dequantized attention."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.kv import quantized_attention
+    from veloxquant_mlx.kv.quantized_kernels import STEPS
+
+    layers, hq = shape["num_hidden_layers"], shape["num_attention_heads"]
+    hkv, d = shape["num_key_value_heads"], shape["head_dim"]
+    bits, group = int(fmt.removeprefix("int")), 64 if d % 64 == 0 else 32
+    if not quantized_attention.kernel_runs(d, hq // hkv, group):
+        return {f"{fmt}_kernel": "does not run here (CUDA only)"}
+    rng = random.Random(rows)
+    lengths = [rng.randint(max(1, width - 128), width) for _ in range(rows)]
+    lengths[0] = width
+    lens = mx.array(lengths, dtype=mx.int32)
+    q = [mx.random.normal((rows, hq, 1, d)).astype(dtype) for _ in range(layers)]
+
+    def codes() -> tuple[mx.array, ...]:
+        x = mx.random.normal((rows, hkv, width, d)).astype(dtype)
+        return tuple(mx.quantize(x, group_size=group, bits=bits))
+
+    k = [codes() for _ in range(layers)]
+    v = [codes() for _ in range(layers)]
+    mx.eval(q, k, v)
+    scale = d**-0.5
+    want = quantized_attention.dequantized(q[0], k[0], v[0], lens, scale, bits, group)
+    out: dict[str, Any] = {}
+    for step in STEPS:
+        kernel = quantized_attention.QuantizedAttention(step)
+        times = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            res = [
+                kernel(q[i], k[i], v[i], lens, scale, bits, group, width=width)
+                for i in range(layers)
+            ]
+            mx.eval(res)
+            times.append(time.perf_counter() - t0)
+        out[f"{fmt}_{step}_ms"] = 1e3 * statistics.median(times[2:])
+        diff = mx.abs(res[0].astype(mx.float32) - want.astype(mx.float32)).max().item()
+        out[f"{fmt}_{step}_maxdiff"] = diff
+    return out
+
+
 def build_model(shape_name: str, dtype: Any) -> tuple[Any, dict[str, Any]]:
     """A random-weight Llama of the shape, in memory only."""
     import mlx.core as mx
@@ -232,6 +286,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=384, help="the longest row's keys")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-model", action="store_true", help="attention alone")
+    p.add_argument("--formats", default="", help="quantized kernels too, e.g. int8,int4")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     a = p.parse_args()
     import mlx.core as mx
@@ -242,6 +297,8 @@ def main() -> None:
     for rows in [int(r) for r in a.rows.split(",")]:
         res: dict[str, Any] = {"shape": a.shape, "rows": rows, "width": a.width}
         res.update(attention_only(shape, rows, a.width, a.repeats, dtype))
+        for fmt in filter(None, a.formats.split(",")):
+            res.update(quantized_only(shape, rows, a.width, a.repeats, dtype, fmt))
         if not a.no_model:
             res.update(model_step(model, shape, rows, a.width, a.repeats, dtype))
         line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()})

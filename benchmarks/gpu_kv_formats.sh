@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Quantized KV on a GPU in one device call: the decode step taken apart per format and route
-# (int8 and int4 fused, each also with the kernels' fast step, int8 fused with a 16-token
+# Quantized KV on a GPU in one device call: the kernels alone per step (benchmarks.attention_bench
+# --formats: tile, plain and fast against bf16's attention routes), then the decode step taken
+# apart per format and route (int8 and int4 fused, each also with the kernels' plain
+# warp-per-position step, int8 fused with a 16-token
 # window; row 0's tokens against bf16's; and 4 rows of 6,000 tokens, where the kernel splits
 # each row over several blocks), then
 # serving at 32 and 128 clients, bf16 against fused int8 and fused int4, then a budget that
@@ -23,14 +25,19 @@ ln -sfn "$model" "bench-work/model-$shape"           # step_anatomy's name for i
 ln -sfn "$model" "bench-work/model-$shape-tokvocab"  # benchmarks.serving's
 kv=$([ "$shape" = 8b ] && echo 16384 || echo 8192)
 t0=$(date +%s)
-formats=auto,int8+fused,int8+fast,int4+fused,int4+fast,int8+fused+w16
-[ "${MLX_ROUTE:-0}" = 1 ] && formats=auto,int8,int8+fused,int8+fast,int4+fused,int8+fused+w16
+timeout 120 python3 -m benchmarks.attention_bench --shape "$shape" --rows 32,128 --width 384 \
+  --no-model --formats int8,int4 > "$out/kernels.txt" 2>&1
+timeout 60 python3 -m benchmarks.attention_bench --shape "$shape" --rows 4 --width 6000 \
+  --no-model --formats int8,int4 >> "$out/kernels.txt" 2>&1
+grep '^{' "$out/kernels.txt"
+formats=auto,int8+fused,int8+plain,int4+fused,int4+plain,int8+fused+w16
+[ "${MLX_ROUTE:-0}" = 1 ] && formats=auto,int8,int8+fused,int8+plain,int4+fused,int8+fused+w16
 timeout 300 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
   --formats "$formats" --traffic greedy --steps 15 > "$out/anatomy.txt" 2>&1
 grep '^|' "$out/anatomy.txt"
 # few rows over a long context (an agent's): the kernel splits each row's positions
 timeout 150 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 4 --context 6000 \
-  --formats auto,int8+fused,int8+fast,int4+fused --traffic greedy --steps 6 > "$out/anatomy-long.txt" 2>&1
+  --formats auto,int8+fused,int8+plain,int4+fused --traffic greedy --steps 6 > "$out/anatomy-long.txt" 2>&1
 grep '^|' "$out/anatomy-long.txt"
 variants=(--variant="--kv-format int8 --quantized-attention fused"
           --variant="--kv-format int4 --quantized-attention fused")

@@ -22,11 +22,15 @@ _PRELUDE = r"""
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
 #define __shared__ static
 using std::min;
+struct float4 { float x, y, z, w; };
+struct uint4 { uint32_t x, y, z, w; };
+static inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
 static float exchange[1024];

@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.cuda_emulation import compiler, emulate
 from veloxquant_mlx.kv import codec as kv_codec
-from veloxquant_mlx.kv import quantized_attention
+from veloxquant_mlx.kv import quantized_attention, quantized_kernels
 from veloxquant_mlx.kv.quantized import QuantizedDenseKV
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler here")
@@ -31,11 +31,11 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler here
         (8, 64, 1, 4, [3, 77], 16, 4),  # split, with a window
     ],
 )
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("step", quantized_kernels.STEPS)
 def test_the_kernel_computes_what_the_mlx_ops_do(
-    tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast
+    tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, step
 ):
-    _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast)
+    _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, step)
 
 
 @pytest.mark.parametrize(
@@ -44,11 +44,34 @@ def test_the_kernel_computes_what_the_mlx_ops_do(
 def test_the_fast_step_folds_any_group_of_query_heads(tmp_path, per_kv, recent, splits):
     """The fast step's transposed butterfly for groups of 1, 8 and 32 query heads a KV head,
     and its head-by-head fallback for 3 and 6 (not powers of two)."""
-    _check_kernel(tmp_path, 8, 64, 1, per_kv, [7, 90], recent, splits, True)
+    _check_kernel(tmp_path, 8, 64, 1, per_kv, [7, 90], recent, splits, "fast")
 
 
-def _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fast):
-    codec = kv_codec.parse(f"int{bits}", "float32", dim, None)
+@pytest.mark.parametrize(
+    ("bits", "group", "per_kv", "lengths", "recent", "splits"),
+    [
+        (8, 32, 3, [1, 33, 64, 65], 0, 1),  # tiles cut at 32: one lane, one full, a lane over
+        (4, 32, 1, [300, 31], 8, 1),  # a window, one tile reading ring and codes
+        (8, 64, 8, [257, 2], 0, 4),  # more positions than the block's warps take at once
+    ],
+)
+def test_the_tile_step_at_tile_edges_and_groups(
+    tmp_path, bits, group, per_kv, lengths, recent, splits
+):
+    """The ``tile`` kernels around a tile's 32 positions (a row of one, of 33, of 65), groups
+    of 32 codes, odd query-head groups, a window inside one tile, a row longer than the
+    block's warps take in one pass (8 x 32)."""
+    _check_kernel(tmp_path, bits, 64, 2, per_kv, lengths, recent, splits, "tile", group)
+
+
+def test_the_tile_step_takes_codes_in_whole_words():
+    assert quantized_kernels.tile_runs(8, 32) and quantized_kernels.tile_runs(4, 32)
+    assert quantized_kernels.tile_runs(4, 64) and quantized_kernels.tile_runs(8, 128)
+    assert not quantized_kernels.tile_runs(2, 32) and not quantized_kernels.tile_runs(4, 16)
+
+
+def _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, step, group=None):
+    codec = kv_codec.parse(f"int{bits}", "float32", dim, group)
     kv = QuantizedDenseKV(1, codec, recent=recent)
     for row, n in enumerate(lengths):
         x = mx.random.normal((1, n_kv, n, dim), key=mx.random.key(row))
@@ -77,7 +100,7 @@ def _check_kernel(tmp_path, bits, dim, n_kv, per_kv, lengths, recent, splits, fa
     if splits > 1:
         template["SPLITS"] = splits
     template["WARPS"] = quantized_attention.WARPS
-    source = quantized_attention.SOURCES[(bool(recent), splits > 1, fast)]
+    source = quantized_kernels.SOURCES[(bool(recent), splits > 1, step)]
     rows, n_q = len(lengths), n_kv * per_kv
     if splits == 1:
         outputs = {"out": int(np.prod(want.shape))}

@@ -7,198 +7,36 @@ contiguous operands, so every row is read to the working set's capacity and mask
 own length; at 128 rows the two products ran far from the bandwidth their bytes need; and each
 4-bit product is compiled the first time a server meets it, about 20 s apiece (BENCHMARKS.md).
 
-``fused`` attends in one kernel a layer (``mx.fast.cuda_kernel``): one thread block per row and
-KV head, ``WARPS`` warps over the row's own positions (position ``t`` to warp ``t % WARPS``), a
-lane dequantizing ``head_dim / 32`` of each vector from its codes, its group's scale and bias
-(``w = scale * q + bias``, MLX's affine codes, ``32 / bits`` values a word from the low bits
-up), as ``kv.paged_attention``'s kernel reads floats: a running softmax per query head of the
-KV head's group, the warps' partials combined through shared memory; scores and sums in
-float32. Elsewhere ``fused`` computes the same attention in MLX ops (``reference``: the codes
+``fused`` attends in one kernel a layer (``mx.fast.cuda_kernel``; sources in
+``kv.quantized_kernels``): one thread block per row and KV head, ``WARPS`` warps over the row's
+own positions, 32 positions a warp at a time (``tile``: a lane scores its own position for every
+query head of the KV head's group from the K codes, then the warp reads the tile's V codes lanes
+over the head's dims), dequantizing from the codes, each group's scale and bias (``w = scale * q
++ bias``, MLX's affine codes, ``32 / bits`` values a word from the low bits up): a running
+softmax per query head, the warps' partials combined through shared memory; scores and sums in
+float32. Codes whose groups do not fill 16-byte words take the ``plain`` kernel (a warp per
+position). Elsewhere ``fused`` computes the same attention in MLX ops (``reference``: the codes
 through ``mx.quantized_matmul``, masked by each row's length), so the routing is the same on
-every backend and is what the CPU tests run; the kernel runs only on CUDA, where the start
-check (``kv.quantized_check.check_kernels``) compares it with the dequantized attention and
+every backend and is what the CPU tests run; the kernel runs only on CUDA, where the start check
+(``kv.quantized_check.check_kernels``) compares it with the dequantized attention and
 ``benchmarks.step_anatomy`` measures it (its source also runs on a CPU through the tests'
 emulation, ``tests/engine/cuda_emulation.py``). With a residual window (``--kv-recent-tokens``)
-a second kernel reads each row's newest positions from its ring instead of its codes. With
-few rows over long contexts (an agent's few sessions) a block per row and KV head would leave
-most of the device idle, so a row's positions are split over up to ``MAX_SPLITS`` blocks
+a second kernel reads each row's newest positions from its ring instead of its codes. With few
+rows over long contexts (an agent's few sessions) a block per row and KV head would leave most
+of the device idle, so a row's positions are split over up to ``MAX_SPLITS`` blocks
 (``splits_for``), each writing an unnormalised partial that ``combine_partials`` joins.
 """
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any
 
 import mlx.core as mx
 
 from veloxquant_mlx.kv import paged_attention
-from veloxquant_mlx.kv.paged_attention import _COMBINE, _HEADER, _STATE, _STEP, WARPS
+from veloxquant_mlx.kv.paged_attention import _HEADER, WARPS
+from veloxquant_mlx.kv.quantized_kernels import SOURCES, STEPS, tile_runs
 
-# The codes' layout and this lane's part of a vector; the kernel's block, row and KV head
-_HEAD = """
-    constexpr int E = D / 32;           // values a lane holds of each vector
-    constexpr int PER = 32 / BITS;      // values a code word holds
-    constexpr int WPOS = D * BITS / 32; // code words a position holds
-    constexpr int NG = D / GS;          // groups (scale, bias) a position holds
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    const int lane = threadIdx.x & 31;
-    const int w = threadIdx.x >> 5;
-    const int h = blockIdx.y;
-    const int r = blockIdx.z;
-    const int cap = kw_shape[2];
-    const int len = lens[r];
-    const float sc = scale[0];
-    const size_t base = ((size_t)r * HKV + h) * (size_t)cap;  // the row's position 0
-    const int i0 = lane * E;            // this lane's first value; all E in one group
-    const int grp = i0 / GS;
-"""
-_LOOP = """    #pragma unroll 2
-    for (int t = w; t < len; t += WARPS) {
-        const size_t pos = base + t;
-        float kx[E], vx[E];
-"""
-# One position's K and V, dequantized from the codes ...
-_CODES_LOAD = """        const uint32_t* kp = kw + pos * WPOS;
-        const uint32_t* vp = vw + pos * WPOS;
-        const float ka = vq_float(ks[pos * NG + grp]);
-        const float kc = vq_float(kb[pos * NG + grp]);
-        const float va = vq_float(vs[pos * NG + grp]);
-        const float vc = vq_float(vb[pos * NG + grp]);
-        for (int e = 0; e < E; ++e) {
-            const int i = i0 + e;
-            const int shift = (i % PER) * BITS;
-            kx[e] = ka * (float)((kp[i / PER] >> shift) & MASK) + kc;
-            vx[e] = va * (float)((vp[i / PER] >> shift) & MASK) + vc;
-        }
-"""
-# ... or, with a residual window, a row's newest RECENT positions from its ring instead
-# (position p in slot p % RECENT of ``rk``/``rv [R, HKV, RECENT, D]``, the model's type)
-_WINDOW_LOAD = (
-    """        if (t >= len - RECENT) {
-            const size_t slot = ((size_t)r * HKV + h) * RECENT + t % RECENT;
-            for (int e = 0; e < E; ++e) {
-                kx[e] = vq_float(rk[slot * D + i0 + e]);
-                vx[e] = vq_float(rv[slot * D + i0 + e]);
-            }
-        } else {
-"""
-    + textwrap.indent(_CODES_LOAD, "    ")
-    + "        }\n"
-)
-
-
-# The same online-softmax step with fewer instructions a position (``QuantizedAttention(fast=
-# True)``): the group's G partial scores are summed over the warp in one transposed butterfly
-# (each stage halves the heads a lane sums: 10 shuffles for G = 4 where ``_STEP`` takes 20,
-# then each head's score broadcast from a lane that holds it), and one exponential a position
-# and head (``__expf`` of minus the gap between the score and the running max: the old sum's
-# factor or the new weight) where ``_STEP`` takes two precise ones. A G that is not a power
-# of two reduces head by head, as ``_STEP``.
-_FAST_STEP = """        constexpr bool FOLD = (G & (G - 1)) == 0 && G <= 32;
-        float s[G];
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            s[g] = 0.0f;
-            for (int e = 0; e < E; ++e) {
-                s[g] += qv[g][e] * kx[e];
-            }
-        }
-        if (FOLD) {
-            int o = 16;
-            #pragma unroll
-            for (int n = G; n > 1; n >>= 1, o >>= 1) {
-                const bool up = (lane & o) != 0;
-                #pragma unroll
-                for (int i = 0; i < n / 2; ++i) {
-                    const float give = up ? s[i] : s[i + n / 2];
-                    const float keep = up ? s[i + n / 2] : s[i];
-                    s[i] = keep + __shfl_xor_sync(0xffffffff, give, o);
-                }
-            }
-            for (; o > 0; o >>= 1) {
-                s[0] += __shfl_xor_sync(0xffffffff, s[0], o);
-            }
-            const float mine = s[0];  // head g's whole score is in lanes g * 32 / G ...
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                s[g] = __shfl_sync(0xffffffff, mine, g * (32 / G));
-            }
-        } else {
-            for (int g = 0; g < G; ++g) {
-                for (int o = 16; o > 0; o >>= 1) {
-                    s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
-                }
-            }
-        }
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float gap = s[g] - m[g];
-            const float x = __expf(-fabsf(gap));
-            const float c = gap > 0.0f ? x : 1.0f;  // the running sums' factor
-            const float p = gap > 0.0f ? 1.0f : x;  // this position's weight
-            l[g] = l[g] * c + p;
-            for (int e = 0; e < E; ++e) {
-                acc[g][e] = acc[g][e] * c + p * vx[e];
-            }
-            m[g] = gap > 0.0f ? s[g] : m[g];
-        }
-"""
-
-
-def _kernel_source(load: str, step: str = _STEP) -> str:
-    return _HEAD + _STATE + _LOOP + load + step + "    }\n" + _COMBINE
-
-
-_SOURCE = _kernel_source(_CODES_LOAD)
-_WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD)
-_FAST_SOURCE = _kernel_source(_CODES_LOAD, _FAST_STEP)
-_FAST_WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD, _FAST_STEP)
-
-# Split over positions (flash-decoding): with few rows a block per (row, KV head) leaves most of
-# the device idle over a long context, so ``SPLITS`` blocks share a row's positions, each writes
-# its unnormalised partial (max score, sum of weights, weighted V) in float32, and
-# ``combine_partials`` joins them in MLX ops.
-_SPLIT_EDITS = (
-    ("    const int r = blockIdx.z;\n",
-     "    const int r = blockIdx.z / SPLITS;\n    const int part = blockIdx.z % SPLITS;\n"),
-    ("    for (int t = w; t < len; t += WARPS) {\n",
-     "    const int span = (len + SPLITS - 1) / SPLITS;\n"
-     "    const int lo = part * span;\n"
-     "    const int hi = lo + span < len ? lo + span : len;\n"
-     "    for (int t = lo + w; t < hi; t += WARPS) {\n"),
-    ("        vq_store(out + ((size_t)r * (HKV * G) + h * G + g) * D + d, sum / total);\n",
-     "        const size_t at = ((size_t)r * (HKV * G) + h * G + g) * SPLITS + part;\n"
-     "        acc_out[at * D + d] = sum;\n"
-     "        if (d == 0) {\n"
-     "            top_out[at] = mx_;\n"
-     "            total_out[at] = total;\n"
-     "        }\n"),
-)  # fmt: skip
-
-
-def _split(source: str) -> str:
-    for old, new in _SPLIT_EDITS:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    return source
-
-
-_SPLIT_SOURCE = _split(_SOURCE)
-_SPLIT_WINDOW_SOURCE = _split(_WINDOW_SOURCE)
-_FAST_SPLIT_SOURCE = _split(_FAST_SOURCE)
-_FAST_SPLIT_WINDOW_SOURCE = _split(_FAST_WINDOW_SOURCE)
-# (window, split, fast) -> the kernel's source
-SOURCES = {
-    (False, False, False): _SOURCE,
-    (True, False, False): _WINDOW_SOURCE,
-    (False, True, False): _SPLIT_SOURCE,
-    (True, True, False): _SPLIT_WINDOW_SOURCE,
-    (False, False, True): _FAST_SOURCE,
-    (True, False, True): _FAST_WINDOW_SOURCE,
-    (False, True, True): _FAST_SPLIT_SOURCE,
-    (True, True, True): _FAST_SPLIT_WINDOW_SOURCE,
-}
 # ``splits_for``: split until the blocks reach this many (about two per SM of an H100 / H200) ...
 TARGET_BLOCKS = 256
 # ... while each split keeps at least this many positions, and never into more than MAX_SPLITS
@@ -242,29 +80,31 @@ def kernel_runs(head_dim: int, group: int, group_size: int) -> bool:
 
 
 class QuantizedAttention:
-    """The kernels (without and with a residual window) and their constant input (the scale),
-    made at first use; one per ``QuantizedDenseKV``. ``fast``: their step with the folded
-    reduction and one exponential (``_FAST_STEP``; ``benchmarks.step_anatomy``'s ``+fast``
-    measures it against the plain one, which the server runs). Engine thread only."""
+    """The kernels (without and with a residual window, split or not over positions) and their
+    constant input (the scale), made at first use; one per ``QuantizedDenseKV``. ``step``: how
+    a block's warps take the positions (``kv.quantized_kernels``): ``tile`` (32 positions a
+    warp, the server's) where the codes allow it (``tile_runs``), else ``plain`` (a warp per
+    position); ``fast`` is ``plain`` with the folded reduction, for ``benchmarks``. Engine
+    thread only."""
 
-    def __init__(self, fast: bool = False) -> None:
-        self.fast = fast
-        self._kernels: dict[tuple[bool, bool], Any] = {}  # (window, split) -> kernel
+    def __init__(self, step: str = "tile") -> None:
+        if step not in STEPS:
+            raise ValueError(f"the kernels' step is one of {', '.join(STEPS)}, got {step!r}")
+        self.step = step
+        self._kernels: dict[tuple[bool, bool, str], Any] = {}  # (window, split, step) -> kernel
         self._scales: dict[float, mx.array] = {}
 
-    def _kernel(self, window: bool, split: bool) -> Any:
-        got = self._kernels.get((window, split))
+    def _kernel(self, window: bool, split: bool, step: str) -> Any:
+        got = self._kernels.get((window, split, step))
         if got is None:
-            source = SOURCES[(window, split, self.fast)]
             ring = ["rk", "rv"] if window else []
-            got = self._kernels[(window, split)] = mx.fast.cuda_kernel(
-                name="vq_quantized_decode"
+            got = self._kernels[(window, split, step)] = mx.fast.cuda_kernel(
+                name=f"vq_quantized_decode_{step}"
                 + ("_window" if window else "")
-                + ("_split" if split else "")
-                + ("_fast" if self.fast else ""),
+                + ("_split" if split else ""),
                 input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", *ring, "lens", "scale"],
                 output_names=["acc_out", "top_out", "total_out"] if split else ["out"],
-                source=source,
+                source=SOURCES[(window, split, step)],
                 header=_HEADER,
             )
         return got
@@ -316,7 +156,8 @@ class QuantizedAttention:
         if splits > 1:
             template.append(("SPLITS", splits))
         template.append(("WARPS", WARPS))
-        kernel = self._kernel(ring is not None, splits > 1)
+        step = self.step if self.step != "tile" or tile_runs(bits, group_size) else "plain"
+        kernel = self._kernel(ring is not None, splits > 1, step)
         common = {
             "inputs": [queries, *keys, *values, *(ring or ()), lens, self._scale(scale)],
             "template": template,
