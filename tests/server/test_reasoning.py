@@ -92,9 +92,16 @@ async def test_chat_responses_and_messages_return_the_reasoning_apart(client_for
         "signature": "",
     }
     # Anthropic's thinking switch turns the template's off or on; absent, its default holds
-    enabled = {"type": "enabled", "budget_tokens": 1024}
+    enabled = {"type": "enabled", "budget_tokens": ASK["max_tokens"] - 1}
     on = await client.post("/v1/messages", json={**ASK, "thinking": enabled})
     assert on.json()["content"] == msg.json()["content"]
+    # a budget at or past max_tokens is refused, as Anthropic's API does
+    too_big = {**enabled, "budget_tokens": ASK["max_tokens"]}
+    over = await client.post("/v1/messages", json={**ASK, "thinking": too_big})
+    assert over.status_code == 400 and over.json()["error"]["type"] == "invalid_request_error"
+    assert over.json()["error"]["message"] == (
+        "`max_tokens` must be greater than `thinking.budget_tokens`"
+    )
     off = await client.post("/v1/messages", json={**ASK, "thinking": {"type": "disabled"}})
     assert [b["type"] for b in off.json()["content"]] == ["text"], off.text
     await wait_idle(client.engine)  # type: ignore[attr-defined]

@@ -170,8 +170,11 @@ class OutputConfig(BaseModel):
 
 
 class ThinkingConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # budget_tokens: the template has no such knob
+    model_config = ConfigDict(extra="ignore")
     type: StrictStr  # "enabled", "disabled"; another (a newer mode) leaves the template's default
+    # checked as Anthropic's API does (below max_tokens); the template has no such knob, so the
+    # thinking is bounded by max_tokens alone
+    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -192,6 +195,14 @@ class MessagesRequest(BaseModel):
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for it
     thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        t = self.thinking
+        budget = t.budget_tokens if t is not None and t.type == "enabled" else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+        return self
 
 
 class CountTokensRequest(BaseModel):
