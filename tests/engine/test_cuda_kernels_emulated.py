@@ -48,20 +48,21 @@ def test_the_fast_step_folds_any_group_of_query_heads(tmp_path, per_kv, recent, 
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "per_kv", "lengths", "recent", "splits"),
+    ("bits", "dim", "group", "per_kv", "lengths", "recent", "splits"),
     [
-        (8, 32, 3, [1, 33, 64, 65], 0, 1),  # tiles cut at 32: one lane, one full, a lane over
-        (4, 32, 1, [300, 31], 8, 1),  # a window, one tile reading ring and codes
-        (8, 64, 8, [257, 2], 0, 4),  # more positions than the block's warps take at once
+        (8, 64, 32, 3, [1, 33, 64, 65], 0, 1),  # tiles cut at 32: one lane, a full one, one over
+        (4, 64, 32, 1, [300, 31], 8, 1),  # a window, one tile reading ring and codes
+        (8, 64, 64, 8, [257, 2], 0, 4),  # more positions than the block's warps take at once
+        (4, 32, 32, 2, [40, 3], 0, 1),  # 32-wide heads: one value a lane
     ],
 )
 def test_the_tile_step_at_tile_edges_and_groups(
-    tmp_path, bits, group, per_kv, lengths, recent, splits
+    tmp_path, bits, dim, group, per_kv, lengths, recent, splits
 ):
     """The ``tile`` kernels around a tile's 32 positions (a row of one, of 33, of 65), groups
     of 32 codes, odd query-head groups, a window inside one tile, a row longer than the
-    block's warps take in one pass (8 x 32)."""
-    _check_kernel(tmp_path, bits, 64, 2, per_kv, lengths, recent, splits, "tile", group)
+    block's warps take in one pass (8 x 32), heads 32 wide."""
+    _check_kernel(tmp_path, bits, dim, 2, per_kv, lengths, recent, splits, "tile", group)
 
 
 def test_the_tile_step_takes_codes_in_whole_words():
