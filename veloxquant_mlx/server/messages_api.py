@@ -148,6 +148,7 @@ class ToolDef(BaseModel):
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_.-]{1,128}$")]
     description: StrictStr | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: StrictBool | None = None  # the input follows input_schema (chat's strict)
 
 
 class ToolChoice(BaseModel):
@@ -258,7 +259,7 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     if req.tools:
         body["tools"] = [
             {"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.input_schema}}
+                                              "parameters": t.input_schema, "strict": t.strict}}
             for t in req.tools
         ]  # fmt: skip
     choice = req.tool_choice

@@ -33,7 +33,9 @@ from veloxquant_mlx.server.submission import (
 )
 from veloxquant_mlx.server.tools import (
     ToolCallSplitter,
+    free_text_grammar,
     splitter_for,
+    strict_calls_grammar,
     template_messages,
     template_tools,
     tool_grammar,
@@ -98,10 +100,11 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     timeout = st.settings.grammar_timeout
     # Walking the tools' schemas is plain CPU: off the event loop, when there are any.
     tool_text = None
-    if body.tools:  # one tool call forced, or a call or the response format's JSON
-        tool_text = await asyncio.to_thread(tool_grammar, body, tokenizer)
-        if tool_text is None:
-            tool_text = await asyncio.to_thread(tool_or_answer_grammar, body, tokenizer)
+    if body.tools:  # one call forced, a call or the format's JSON, or strict calls' arguments
+        for make in (tool_grammar, tool_or_answer_grammar, strict_calls_grammar):
+            tool_text = await asyncio.to_thread(make, body, tokenizer)
+            if tool_text is not None:
+                break
     grammar: Grammar | None
     if tool_text is not None:
         grammar = await compile_grammar(st.engine, tool_text, "tools", timeout)
@@ -117,8 +120,10 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         prompt = handles[0].request.prompt_tokens
         base = splitters[0].call_base if splitters[0] is not None else None
         handles[0].tap = st.answers.tap(text, prompt, continues, eos, base)
-    # A grammar holds from the first token: a constrained answer has no think block to split.
-    enabled = st.settings.reasoning != "off" and grammar is None
+    # A grammar holds from the first token: a constrained answer has no think block to split
+    # (but an answer left free up to its strict tool calls may have one).
+    free = grammar is None or (tool_text is not None and free_text_grammar(tool_text))
+    enabled = st.settings.reasoning != "off" and free
     tail = tokenizer.decode(tokens[-16:]) if enabled and think_tags(tokenizer) else ""
     return PreparedChat(
         handles,

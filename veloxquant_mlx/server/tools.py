@@ -1,5 +1,6 @@
 """Tool calling: tools into the chat template, tool calls out of the text (mlx_lm's parsers), and
-``tool_choice`` "required" or a named function enforced by a grammar (llguidance)."""
+grammars (llguidance) for ``tool_choice`` "required" or a named function, for a call or the
+response format's JSON, and for ``strict`` functions' arguments under "auto"."""
 
 from __future__ import annotations
 
@@ -133,14 +134,62 @@ def tool_or_answer_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str |
     )
 
 
+def strict_calls_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | None:
+    """Under ``tool_choice`` "auto" (or unset), with no JSON ``response_format``, where some
+    function is ``strict``: a grammar that leaves the answer free (any text without the
+    tool-call tag) and holds every call the model starts to a tool's name and, for a
+    ``strict`` function, to its ``parameters`` (OpenAI's strict function calling: the
+    arguments follow the schema); a call is the answer's end, one or (``parallel_tool_calls``)
+    several. None otherwise, and for tool-call formats other than JSON in tags (calls then
+    come as written). The free text keeps any think block (``free_text_grammar``).
+
+    Plain CPU over the tools' schemas: call it off the event loop.
+
+    Raises:
+        APIError: 400 for a schema over the limits (``structured.check_schema``).
+    """
+    fmt = body.response_format
+    if not body.tools or body.tool_choice not in (None, "auto"):
+        return None
+    if (fmt is not None and fmt.type != "text") or not _json_calls(tokenizer):
+        return None
+    if not any(t.function.strict for t in body.tools):
+        return None
+    tag = _regex_literal(tokenizer.tool_call_start)
+    calls = "(WS? START WS? args WS? END)*" if body.parallel_tool_calls is not False else ""
+    return (
+        f"start: TEXT | CALLED WS? args WS? END {calls}\n"
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/\n"  # any text without the tag
+        f"CALLED: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/\n"  # text up to its first tag
+        f"START: {json.dumps(tokenizer.tool_call_start)}\n"
+        f"END: {json.dumps(tokenizer.tool_call_end)}\n"
+        "WS: /[ \\t\\r\\n]+/\n"
+        + _call_rule(body, body.tools, tokenizer, strict_only=True).split("\n", 1)[1]
+    )
+
+
+def free_text_grammar(text: str) -> bool:
+    """Whether a tool grammar (this module's) leaves the answer's text free, think block and
+    all, so the reasoning is split from it as from an unconstrained answer."""
+    return text.startswith("start: TEXT |")
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a literal inside a lark ``/.../`` regex."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
 def _json_calls(tokenizer: Any) -> bool:
     parser = getattr(tokenizer, "tool_parser", None)
     return getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools"
 
 
-def _call_rule(body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any) -> str:
-    """The grammar rules ``call`` (one call of one of ``tools``, in its tags) and ``args``."""
-    chosen = {id(t) for t in tools}
+def _call_rule(
+    body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any, strict_only: bool = False
+) -> str:
+    """The grammar rules ``call`` (one call of one of ``tools``, in its tags) and ``args``;
+    with ``strict_only`` the arguments of a function that is not ``strict`` are any object."""
+    chosen = {id(t) for t in tools if t.function.strict or not strict_only}
     for i, t in enumerate(body.tools or []):
         if id(t) in chosen and t.function.parameters is not None:
             check_schema(t.function.parameters, f"tools.{i}.function.parameters")
@@ -149,7 +198,9 @@ def _call_rule(body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any) -
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": closed(t.function.parameters or {"type": "object"}),
+                "arguments": closed(t.function.parameters or {"type": "object"})
+                if id(t) in chosen
+                else {"type": "object"},
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
