@@ -6,7 +6,7 @@
 # bf16's), then serving bf16 against int8 (tile) at 32 and 128 clients while time is left.
 # Writes under OUT_DIR; prints each part's lines.
 #
-#   benchmarks/gpu_kv_tile.sh OUT_DIR [SHAPE]    (default 8b; under 10 minutes)
+#   benchmarks/gpu_kv_tile.sh OUT_DIR [SHAPE]    (default 8b; under 8 minutes)
 #
 # On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
 # .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
@@ -28,7 +28,7 @@ timeout 240 python3 -m benchmarks.step_anatomy --shape "$shape" --rows 32,128 \
   --formats auto,int8+fused,int8+plain,int4+fused,int4+plain --traffic greedy --steps 12 \
   > "$out/anatomy.txt" 2>&1
 grep -E '^\||Error' "$out/anatomy.txt"
-left=$(( 570 - ($(date +%s) - t0) ))
+left=$(( 480 - ($(date +%s) - t0) ))
 echo "serving with $left s left"
 if [ "$left" -gt 150 ]; then
   timeout "$left" python3 -m benchmarks.serving --shape "$shape" --concurrency 32,128 \
