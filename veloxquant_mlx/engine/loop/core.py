@@ -32,7 +32,7 @@ from veloxquant_mlx.engine.loop.group import Group, pool_rows
 from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
 from veloxquant_mlx.engine.loop.parts import Parts
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
-from veloxquant_mlx.engine.loop.runner import RowState, Sampled
+from veloxquant_mlx.engine.loop.rows import RowState, Sampled
 from veloxquant_mlx.engine.loop.scoring_queue import ScoringQueue
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.loop.turns import TurnSource

@@ -15,7 +15,7 @@ from veloxquant_mlx.engine.loop.join_clock import JoinClock, Launch
 from veloxquant_mlx.engine.loop.seq import Seq
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.runner import Sampled
+    from veloxquant_mlx.engine.loop.rows import Sampled
 
 
 @dataclass(slots=True)

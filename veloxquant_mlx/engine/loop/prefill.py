@@ -23,7 +23,7 @@ from veloxquant_mlx.kv.layout import KVLayout
 from veloxquant_mlx.kv.room import joined, make_room
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.runner import Sampled
+    from veloxquant_mlx.engine.loop.rows import Sampled
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from veloxquant_mlx.engine.loop.inbox import Inbox
-from veloxquant_mlx.engine.loop.runner import Sampled
+from veloxquant_mlx.engine.loop.rows import Sampled
 from veloxquant_mlx.engine.loop.seq import Seq
 from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.request.running import Running

@@ -14,72 +14,22 @@ that the next arrival fills: nobody's KV moves or is copied when a row joins or 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
 from veloxquant_mlx.engine.loop.prefill import Prefiller
+from veloxquant_mlx.engine.loop.rows import RowState, Sampled, next_input, row_state
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
-from veloxquant_mlx.engine.request.faults import RequestFault
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
 from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
 from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
 from veloxquant_mlx.kv.compiled_step import CompiledStep, decode_logits
 from veloxquant_mlx.kv.layout import KVLayout
-
-
-def check_supported(model: Any) -> None:
-    """Raise ValueError for a model whose layers the batch cannot hold (SSM / hybrid state)."""
-    kinds = {type(c) for c in make_prompt_cache(model)}
-    other = kinds - {KVCache, RotatingKVCache}
-    if other:
-        names = ", ".join(sorted(k.__name__ for k in other))
-        raise ValueError(
-            f"this model's layers use {names}; the batched engine serves attention models "
-            "(full or sliding-window KV caches) only"
-        )
-
-
-class RowState:
-    """The MLX side of one request: its sampling, grammar, prefill progress."""
-
-    __slots__ = ("caches", "fault", "grammar", "joined", "next_input", "sampling")
-
-    def __init__(
-        self, sampling: RowSampling, grammar: GrammarRow | None, fault: RequestFault
-    ) -> None:
-        self.sampling = sampling
-        self.grammar = grammar
-        self.fault = fault
-        self.caches: list[KVCache] | None = None  # during prefill
-        self.next_input: mx.array | None = None  # [1]: the token the next step feeds
-        self.joined = False  # in the batch (prefill done)
-
-
-def row_state(seq: Seq) -> RowState:
-    """``seq``'s MLX side (made when it was admitted)."""
-    assert seq.state is not None, "a row without its state"
-    return seq.state
-
-
-def _next_input(seq: Seq) -> mx.array:
-    token = row_state(seq).next_input
-    assert token is not None, "a row in the batch without its next token"
-    return token
-
-
-@dataclass(slots=True)
-class Sampled:
-    """Tokens sampled for some rows, not yet read back (one step, or one prefill)."""
-
-    seqs: list[Seq | None]  # None: a hole in the batch
-    tokens: mx.array  # [rows]
-    drawn: Drawn  # the tokens, their logprobs when a row asked, the sampler's carried state
 
 
 class Runner:
@@ -334,7 +284,7 @@ class Runner:
                         seq.state.next_input = last.tokens[i : i + 1]
             hole = mx.zeros((1,), dtype=mx.uint32)
             inputs = mx.concatenate(
-                [hole if s is None else _next_input(s).astype(mx.uint32) for s in rows]
+                [hole if s is None else next_input(s).astype(mx.uint32) for s in rows]
             )
         batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)

@@ -11,7 +11,7 @@ from veloxquant_mlx.engine.loop.prefix_cache import SeqPages
 from veloxquant_mlx.engine.request.handle import RequestHandle
 
 if TYPE_CHECKING:
-    from veloxquant_mlx.engine.loop.runner import RowState
+    from veloxquant_mlx.engine.loop.rows import RowState
     from veloxquant_mlx.engine.request.running import Running
 
 

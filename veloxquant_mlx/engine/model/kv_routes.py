@@ -1,10 +1,13 @@
-"""How the running rows' KV is laid out and attended, decided once at load: the layout, the
-fused routes (the paged layout's block tables, the quantized layout's kernel) and the pool
-blocks a residual window holds. Each refuses what cannot work with one line (``ValueError``)."""
+"""How the running rows' KV is laid out and attended, decided once at load: which models the
+batch holds at all, the layout, the fused routes (the paged layout's block tables, the
+quantized layout's kernel) and the pool blocks a residual window holds. Each refuses what
+cannot work with one line (``ValueError``)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.model.formats import Formats
@@ -12,6 +15,18 @@ from veloxquant_mlx.engine.model.sizing import KVGeometry
 from veloxquant_mlx.kv import attention, quantized_attention
 from veloxquant_mlx.kv.paged import fused_unreached
 from veloxquant_mlx.kv.quantized_check import window_bytes
+
+
+def check_supported(model: Any) -> None:
+    """Raise ValueError for a model whose layers the batch cannot hold (SSM / hybrid state)."""
+    kinds = {type(c) for c in make_prompt_cache(model)}
+    other = kinds - {KVCache, RotatingKVCache}
+    if other:
+        names = ", ".join(sorted(k.__name__ for k in other))
+        raise ValueError(
+            f"this model's layers use {names}; the batched engine serves attention models "
+            "(full or sliding-window KV caches) only"
+        )
 
 
 def kv_layout(requested: str) -> str:

@@ -16,7 +16,7 @@ from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.disk_tier import DiskTier, save_pages
 from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.page_file import fingerprint
-from veloxquant_mlx.engine.loop.runner import Runner, check_supported
+from veloxquant_mlx.engine.loop.runner import Runner
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
 from veloxquant_mlx.engine.model.choices import (
     answers_up_to,
@@ -33,6 +33,7 @@ from veloxquant_mlx.engine.model.default_model import NAME as DEFAULT_NAME
 from veloxquant_mlx.engine.model.default_model import ensure_default_model
 from veloxquant_mlx.engine.model.formats import kv_formats
 from veloxquant_mlx.engine.model.kv_routes import (
+    check_supported,
     fused_attention,
     kv_layout,
     quantized_kernel,
