@@ -21,9 +21,9 @@ step's attention over all the shape's layers, bfloat16 on a GPU:
 
 With ``--formats int8,int4`` the same rows' K and V quantized (``mx.quantize``, groups of 64,
 or 32 for narrower heads) and attended by ``--quantized-attention fused``'s kernels (CUDA
-only), each of its steps (``kv.quantized_kernels``: ``tile``, the server's; ``plain`` and
-``fast``, a warp per position), with each one's largest difference from the attention over
-the dequantized codes.
+only), each of its steps (``kv.quantized_kernels``: ``tile``, the server's; ``plain``, a warp
+per position), with each one's largest difference from the attention over the dequantized
+codes.
 
 Then one whole decode step of the shape's model (random weights, the engine's dense
 ``StepCache``), ragged rows, with the attention done each of those ways.

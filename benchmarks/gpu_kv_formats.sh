@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quantized KV on a GPU in one device call: the kernels alone per step (benchmarks.attention_bench
-# --formats: tile, plain and fast against bf16's attention routes), then the decode step taken
+# --formats: tile and plain against bf16's attention routes), then the decode step taken
 # apart per format and route (int8 and int4 fused, each also with the kernels' plain
 # warp-per-position step, int8 fused with a 16-token
 # window; row 0's tokens against bf16's; and 4 rows of 6,000 tokens, where the kernel splits

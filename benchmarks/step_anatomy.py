@@ -13,9 +13,9 @@ on the kernels a step launches). ``sampled`` is temperature 0.7 and top_p 0.9 on
 ``--formats auto,int8,int8+fused`` takes the same step apart over the quantized dense layout
 (``--kv-format``), whose attention reads codes through ``mx.quantized_matmul`` (mlx_lm's), or
 with ``+fused`` through ``--quantized-attention fused`` (one kernel a layer on CUDA); ``+wN``
-adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+fast``
-is ``+fused`` with the kernels' warp-per-position step and its folded reduction, ``+plain``
-with that step unfolded (``kv.quantized_kernels``; ``+fused`` alone is the server's ``tile``);
+adds an N-token residual window (``--kv-recent-tokens N``), e.g. ``int8+fused+w16``; ``+plain``
+is ``+fused`` with the kernels' warp-per-position step (``kv.quantized_kernels``; ``+fused``
+alone is the server's ``tile``);
 ``+sdpa`` (the default here) and ``+matmul`` say how a ragged step attends
 (``--ragged-attention``, e.g. ``auto+matmul``, the server's on a GPU from 32 rows);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
@@ -75,7 +75,7 @@ def anatomy(
     k0 = layers[0][0]
     name, *hows = fmt.split("+")
     codec = parse(name, str(k0.dtype).split(".")[-1], k0.shape[-1], None)
-    kernel = bool({"fused", "fast", "plain"} & set(hows))
+    kernel = bool({"fused", "plain"} & set(hows))
     recent = next((int(h[1:]) for h in hows if h.startswith("w")), 0)
     mode = next((h for h in hows if h in attention.MODES), "sdpa")
     policy = attention.RaggedAttention(mode)
@@ -85,9 +85,8 @@ def anatomy(
         "dense", layers, rows, steps + 4, codec=codec, kernel=kernel, recent=recent,
         ragged=policy,
     )  # fmt: skip
-    for step in ("fast", "plain"):  # the kernels' other steps (kv.quantized_kernels)
-        if step in hows:
-            kv.kernel.step = step
+    if "plain" in hows:  # the kernels' warp-per-position step (kv.quantized_kernels)
+        kv.kernel.step = "plain"
     compiled = CompiledStep(model, kv.n_layers) if "compiled" in hows else None
     vocab = int(model(mx.array([[0]])).shape[-1])  # type: ignore[operator]
     params = SamplingParams(**TRAFFIC[traffic])  # type: ignore[arg-type]

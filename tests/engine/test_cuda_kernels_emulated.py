@@ -41,10 +41,10 @@ def test_the_kernel_computes_what_the_mlx_ops_do(
 @pytest.mark.parametrize(
     ("per_kv", "recent", "splits"), [(1, 0, 1), (8, 0, 2), (3, 8, 1), (6, 0, 1), (32, 0, 1)]
 )
-def test_the_fast_step_folds_any_group_of_query_heads(tmp_path, per_kv, recent, splits):
-    """The fast step's transposed butterfly for groups of 1, 8 and 32 query heads a KV head,
-    and its head-by-head fallback for 3 and 6 (not powers of two)."""
-    _check_kernel(tmp_path, 8, 64, 1, per_kv, [7, 90], recent, splits, "fast")
+def test_the_tile_step_takes_any_group_of_query_heads(tmp_path, per_kv, recent, splits):
+    """The tile step's scores for groups of 1, 8 and 32 query heads a KV head, and of 3 and 6
+    (not powers of two), with a window and a split."""
+    _check_kernel(tmp_path, 8, 64, 1, per_kv, [7, 90], recent, splits, "tile")
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,9 @@
 Two ways to lay a thread block's work over a row's positions, each with and without a residual
 window (a ring of the newest positions in the model's type) and split or not over positions:
 
-- ``warp`` (``plain`` and ``fast`` steps): a warp per position (position ``t`` to warp ``t %
-  WARPS``), a lane dequantizing ``head_dim / 32`` values of each K and V vector; each query
-  head's score is summed over the warp's lanes by shuffles, and each position costs a running
-  softmax update. ``fast`` folds the group's reductions into one butterfly and takes one
-  exponential a position (``_FAST_STEP``).
+- ``plain``: a warp per position (position ``t`` to warp ``t % WARPS``), a lane dequantizing
+  ``head_dim / 32`` values of each K and V vector; each query head's score is summed over the
+  warp's lanes by shuffles, and each position costs a running softmax update.
 - ``tile``: a warp takes 32 positions at once. A lane scores its own position for all of the
   group's query heads, reading the whole K vector's codes (16-byte loads) against the queries
   in shared memory, and applying each quantization group's scale and bias once to the group's
@@ -83,72 +81,12 @@ _WINDOW_LOAD = (
 )
 
 
-# The same online-softmax step with fewer instructions a position (``QuantizedAttention(
-# "fast")``): the group's G partial scores are summed over the warp in one transposed butterfly
-# (each stage halves the heads a lane sums: 10 shuffles for G = 4 where ``_STEP`` takes 20,
-# then each head's score broadcast from a lane that holds it), and one exponential a position
-# and head (``__expf`` of minus the gap between the score and the running max: the old sum's
-# factor or the new weight) where ``_STEP`` takes two precise ones. A G that is not a power
-# of two reduces head by head, as ``_STEP``.
-_FAST_STEP = """        constexpr bool FOLD = (G & (G - 1)) == 0 && G <= 32;
-        float s[G];
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            s[g] = 0.0f;
-            for (int e = 0; e < E; ++e) {
-                s[g] += qv[g][e] * kx[e];
-            }
-        }
-        if (FOLD) {
-            int o = 16;
-            #pragma unroll
-            for (int n = G; n > 1; n >>= 1, o >>= 1) {
-                const bool up = (lane & o) != 0;
-                #pragma unroll
-                for (int i = 0; i < n / 2; ++i) {
-                    const float give = up ? s[i] : s[i + n / 2];
-                    const float keep = up ? s[i + n / 2] : s[i];
-                    s[i] = keep + __shfl_xor_sync(0xffffffff, give, o);
-                }
-            }
-            for (; o > 0; o >>= 1) {
-                s[0] += __shfl_xor_sync(0xffffffff, s[0], o);
-            }
-            const float mine = s[0];  // head g's whole score is in lanes g * 32 / G ...
-            #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                s[g] = __shfl_sync(0xffffffff, mine, g * (32 / G));
-            }
-        } else {
-            for (int g = 0; g < G; ++g) {
-                for (int o = 16; o > 0; o >>= 1) {
-                    s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
-                }
-            }
-        }
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float gap = s[g] - m[g];
-            const float x = __expf(-fabsf(gap));
-            const float c = gap > 0.0f ? x : 1.0f;  // the running sums' factor
-            const float p = gap > 0.0f ? 1.0f : x;  // this position's weight
-            l[g] = l[g] * c + p;
-            for (int e = 0; e < E; ++e) {
-                acc[g][e] = acc[g][e] * c + p * vx[e];
-            }
-            m[g] = gap > 0.0f ? s[g] : m[g];
-        }
-"""
-
-
 def _kernel_source(load: str, step: str = _STEP) -> str:
     return _HEAD + _STATE + _LOOP + load + step + "    }\n" + _COMBINE
 
 
 _SOURCE = _kernel_source(_CODES_LOAD)
 _WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD)
-_FAST_SOURCE = _kernel_source(_CODES_LOAD, _FAST_STEP)
-_FAST_WINDOW_SOURCE = _kernel_source(_WINDOW_LOAD, _FAST_STEP)
 
 
 # ``tile``: the queries (scaled) and their sums over each quantization group in shared memory,
@@ -348,12 +286,10 @@ def _split(source: str) -> str:
     return source
 
 
-STEPS = ("plain", "fast", "tile")
+STEPS = ("plain", "tile")
 _WHOLE = {
     (False, "plain"): _SOURCE,
     (True, "plain"): _WINDOW_SOURCE,
-    (False, "fast"): _FAST_SOURCE,
-    (True, "fast"): _FAST_WINDOW_SOURCE,
     (False, "tile"): _TILE_SOURCE,
     (True, "tile"): _TILE_WINDOW_SOURCE,
 }
