@@ -90,6 +90,11 @@ async def test_a_strict_tool_under_auto_answers_through_the_server(client_for):
         if status == 400:
             error = r.json()["error"]
             assert error["param"] == "tools" and '"if"' in error["message"], error
+        # Responses: a function tool's strict, the same
+        tool = {"type": "function", "name": "f", "parameters": odd, "strict": strict}
+        ask = {"model": MODEL, "input": "weather?", "tools": [tool], "max_output_tokens": 4}
+        r = await client.post("/v1/responses", json=ask)
+        assert r.status_code == status, r.text
         # Messages: a tool's strict holds its input_schema the same way
         tool = {"name": "f", "input_schema": odd, "strict": strict}
         r = await client.post("/v1/messages", json={**ASK, "tools": [tool], "max_tokens": 4})
