@@ -84,8 +84,7 @@ class QuantizedAttention:
     constant input (the scale), made at first use; one per ``QuantizedDenseKV``. ``step``: how
     a block's warps take the positions (``kv.quantized_kernels``): ``tile`` (32 positions a
     warp, the server's) where the codes allow it (``tile_runs``), else ``plain`` (a warp per
-    position, and ``benchmarks``' yardstick). Engine
-    thread only."""
+    position, and ``benchmarks``' yardstick). Engine thread only."""
 
     def __init__(self, step: str = "tile") -> None:
         if step not in STEPS:

@@ -163,8 +163,7 @@ def strict_calls_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | N
         f"CALLED: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/\n"  # text up to its first tag
         f"START: {json.dumps(tokenizer.tool_call_start)}\n"
         f"END: {json.dumps(tokenizer.tool_call_end)}\n"
-        "WS: /[ \\t\\r\\n]+/\n"
-        + _call_rule(body, body.tools, tokenizer, strict_only=True).split("\n", 1)[1]
+        "WS: /[ \\t\\r\\n]+/\n" + _args_rule(body, body.tools, strict_only=True)
     )
 
 
@@ -184,11 +183,15 @@ def _json_calls(tokenizer: Any) -> bool:
     return getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools"
 
 
-def _call_rule(
-    body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any, strict_only: bool = False
-) -> str:
-    """The grammar rules ``call`` (one call of one of ``tools``, in its tags) and ``args``;
-    with ``strict_only`` the arguments of a function that is not ``strict`` are any object."""
+def _call_rule(body: ChatCompletionRequest, tools: list[Tool], tokenizer: Any) -> str:
+    """The grammar rules ``call`` (one call of one of ``tools``, in its tags) and ``args``."""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    return f"call: {json.dumps(start)} args {json.dumps(end)}\n" + _args_rule(body, tools)
+
+
+def _args_rule(body: ChatCompletionRequest, tools: list[Tool], strict_only: bool = False) -> str:
+    """The grammar rule ``args``: the JSON of one call of one of ``tools`` (its name and its
+    function's ``parameters``; with ``strict_only``, any object for a function not ``strict``)."""
     chosen = {id(t) for t in tools if t.function.strict or not strict_only}
     for i, t in enumerate(body.tools or []):
         if id(t) in chosen and t.function.parameters is not None:
@@ -209,8 +212,7 @@ def _call_rule(
     ]
     schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": COMPACT}
-    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-    return f"call: {json.dumps(start)} args {json.dumps(end)}\nargs: %json {json.dumps(schema)}\n"
+    return f"args: %json {json.dumps(schema)}\n"
 
 
 @dataclass(slots=True)

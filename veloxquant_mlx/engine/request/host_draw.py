@@ -66,7 +66,9 @@ def host_draw(
     values = np.asarray(logits if logits.dtype == mx.float32 else logits.astype(mx.float32))
     t = np.array(inv_temp)[:, 0]
     p, k = np.array(top_p)[:, 0], np.array(top_k)[:, 0]
-    tokens = values.argmax(axis=-1)
+    tokens = np.zeros(len(t), dtype=np.int64)
+    for i in np.flatnonzero(t <= 0):  # greedy rows: the argmax (a sampled row's is not needed)
+        tokens[i] = values[i].argmax()
     vocab = values.shape[-1]
     nk, lows = np.array(noise_keys), np.array(floor)[:, 0]
     work = np.empty((2, vocab), dtype=np.float32)
