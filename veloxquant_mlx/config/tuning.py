@@ -70,13 +70,14 @@ class TuningSettings(BaseModel):
         "the agent benchmark's TTFT p50 was 15-40% higher and its inter-token p99 no lower "
         "but in one of two 8B runs).",
     )
-    prefill_parts: int = Field(
-        1,
-        ge=1,
-        le=16,
+    prefill_parts: str = Field(
+        "auto",
+        pattern=r"^(auto|[1-9]|1[0-6])$",
         description="While other requests decode, launch a prompt's chunk over this many "
-        "steps, a run of its layers each, so each of their steps waits for a part of the "
-        "chunk instead of all of it; 1: the whole chunk in one step.",
+        "steps (1 to 16), a run of its layers each, so each of their steps waits for a part "
+        "of the chunk instead of all of it; 1: the whole chunk in one step; auto: on CUDA the "
+        "fewest parts that keep a step carrying one within twice a decode-only step, learned "
+        "from the steps (1 on a CPU and on Metal).",
     )
     compiled_step: Literal["auto", "on", "off"] = Field(
         "auto",

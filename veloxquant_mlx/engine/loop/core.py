@@ -241,9 +241,8 @@ class EngineCore:
             self._absorb(sampled)
         clock.mark()
         clock.report(len(runner.rows), plan)
-        if sched.budget.adaptive:  # (--prefill-stall-ratio; nothing a turn when fixed)
-            decoding = sum(row is not None for row in runner.rows)
-            sched.budget.observe(clock.gap(), plan.prompt_tokens, decoding)
+        decoding = sum(row is not None for row in runner.rows)
+        sched.turn_ended(clock.gap(), plan.prompt_tokens, runner.take_work(), decoding)
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()
@@ -280,9 +279,11 @@ class EngineCore:
 
     def reset_after_start(self) -> None:
         """What runs before ready leaves behind, back to a fresh engine's: the join clock,
-        the prefill budget, preemptions, the request counters, the published snapshot."""
+        the prefill budget and parts, preemptions, the request counters, the published
+        snapshot."""
         self.runner.restart_join_clock()
         self.scheduler.budget.reset()
+        self.scheduler.parts.reset()
         self.scheduler.preemptions = 0
         with self.inbox.lock:
             self.inbox.counters = Counters()

@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from veloxquant_mlx.engine.loop import last_logits, layer_capture
-from veloxquant_mlx.engine.loop.join_clock import Launch
+from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS, Launch
 from veloxquant_mlx.engine.loop.joins import Prefilled
 from veloxquant_mlx.engine.loop.seq import Chunk, Seq
 from veloxquant_mlx.kv.layout import KVLayout
@@ -36,6 +36,7 @@ class _Staged:
     stages: list[mx.array]
     final: list[Any]
     done: Prefilled | None
+    work: float  # a part's share of the chunk's tokens and overhead
 
 
 class Prefiller:
@@ -51,8 +52,9 @@ class Prefiller:
         sample_first: The runner's sampling of prompts' first tokens from their last logits.
         launched: A forward of this many tokens is launched: when it should be done (the join
             clock's), or None.
-        parts: Launch a chunk's forward over this many engine turns while rows decode
-            (``chunk``'s ``split``; ``--prefill-parts``): each turn a run of its layers.
+        split: A chunk's forward may be launched over several engine turns while rows
+            decode (``chunk``'s ``split``, in the chunk's ``parts``; ``--prefill-parts``):
+            each turn a run of its layers.
     """
 
     def __init__(
@@ -63,10 +65,10 @@ class Prefiller:
         own_stream: bool,
         sample_first: Callable[[list[Seq], mx.array], Sampled],
         launched: Callable[[int], Launch | None],
-        parts: int = 1,
+        split: bool = False,
     ) -> None:
         self.model = model
-        self.parts = parts if parts > 1 and layer_capture.install(model) else 1
+        self.split = split and layer_capture.install(model)
         self.kv = kv
         self._n_layers = n_layers
         self.own_stream = own_stream
@@ -74,6 +76,7 @@ class Prefiller:
         self._sample_first = sample_first
         self._launched = launched
         self._staged: list[_Staged] = []  # chunks launched a part a turn, oldest first
+        self._work = 0.0  # tokens' worth launched since ``take_work``
 
     def stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where a prefill forward and its first token run: its own stream, or the default."""
@@ -82,6 +85,12 @@ class Prefiller:
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
         return mx.stream(self._stream)
+
+    def take_work(self) -> float:
+        """The tokens' worth of forwards launched since the last call (a forward's tokens and
+        ``OVERHEAD_TOKENS``; a part its share): what the scheduler's parts learn from."""
+        work, self._work = self._work, 0.0
+        return work
 
     @property
     def staging(self) -> bool:
@@ -95,6 +104,7 @@ class Prefiller:
         done: list[Prefilled] = []
         while self._staged:
             staged = self._staged[0]
+            self._work += staged.work
             if staged.stages:
                 mx.async_eval(staged.stages.pop(0))
             else:
@@ -114,8 +124,8 @@ class Prefiller:
     def chunk(self, chunk: Chunk, split: bool = False) -> Prefilled | None:
         """Run one chunk of a prompt into its row's prefill caches; once the prompt is all in,
         its first token sampled and its KV (``Prefilled``), else None. With ``split`` (rows
-        decode, ``parts`` > 1, no chunk staged already) only the first of its ``parts`` is
-        launched now and None comes back: ``advance`` launches the rest, a part a turn, and
+        decode, the chunk's ``parts`` > 1, no chunk staged already) only the first of its
+        parts is launched now and None comes back: ``advance`` launches the rest, a part a turn, and
         returns the ``Prefilled`` of a prompt's last chunk once it is launched."""
         seq = chunk.seq
         state = seq.state
@@ -129,23 +139,25 @@ class Prefiller:
         extra = -chunk.n % bucket if bucket else 0
         launch = self._launched(chunk.n + extra)
         last = chunk.n - 1  # the position a completing chunk samples from
-        split = split and self.parts > 1 and not self._staged
+        parts = chunk.parts if split and self.split and not self._staged else 1
         with (
             self.stream(),
             last_logits.position(self.model, last),
-            layer_capture.capturing(self.model, split) as outputs,
+            layer_capture.capturing(self.model, parts > 1) as outputs,
         ):
             logits = self.model(mx.array([tokens + [0] * extra]), cache=state.caches)
             if extra:
                 for cache in state.caches:
                     cache.trim(extra)
-            stages = layer_capture.stages(outputs, self._n_layers, self.parts) if split else []
+            stages = layer_capture.stages(outputs, self._n_layers, parts)
+            work = (chunk.n + extra + OVERHEAD_TOKENS) / (len(stages) + 1)  # a part's
+            self._work += work
             if not chunk.completes:  # the next chunk builds on these: start them now
                 if not chunk.start:  # the first chunk of an uncached prompt
                     make_room(state.caches, len(seq.tokens) + bucket)
                 final = [(c.keys, c.values) for c in state.caches]
                 if stages:
-                    self._stage(_Staged(seq, stages, final, None))
+                    self._stage(_Staged(seq, stages, final, None, work))
                 else:
                     mx.async_eval(final)
                 return None
@@ -154,7 +166,7 @@ class Prefiller:
         state.next_input = sampled.tokens
         done = Prefilled(sampled, [(seq, layers)], launch)
         if stages:
-            self._stage(_Staged(seq, stages, [], done))
+            self._stage(_Staged(seq, stages, [], done, work))
             return None
         return done
 
@@ -178,6 +190,7 @@ class Prefiller:
         for cache in caches:
             cache.vq_route = self.kv.ragged.prefill_route
         launch = self._launched(width * len(seqs))
+        self._work += width * len(seqs) + OVERHEAD_TOKENS
         joins = []
         with self.stream(), last_logits.position(self.model, width - 1):
             logits = last_logits.row(self.model(tokens, cache=caches), width - 1)

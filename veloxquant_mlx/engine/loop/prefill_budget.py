@@ -18,6 +18,9 @@ back to the cap, a quantum a turn.
 
 Off by default (ratio 0): measured on an H100's agent sessions it evened the streams (0.71-0.84x
 the inter-token p99) at a later first token (1.23-1.41x the TTFT p50; DESIGN-NOTES.md).
+
+The reference gaps (``DecodeGaps``) are kept whether the budget moves or not: the parts a chunk
+is launched in (``prefill_parts.PrefillParts``) are sized by them too.
 """
 
 from __future__ import annotations
@@ -30,11 +33,59 @@ STALE = 256  # counted turns after which a batch size's reference is forgotten
 UP_TO = 16  # rows decoding up to which the budget moves (agent sessions: a few)
 
 
+class DecodeGaps:
+    """The gap a decoding stream sees between two tokens in turns without prefill: a moving
+    average per batch size (rows decoding, by powers of two). A turn counts where rows decoded
+    through the whole gap (in it and the turn before); it sets the reference where neither it
+    nor the turn before launched prefill work (with prefill on a stream of its own a chunk's
+    cost shows in the next turn). Engine thread only."""
+
+    def __init__(self) -> None:
+        # batch size class -> (seconds between decode-only turns' ends, the turn it was set)
+        self._references: dict[int, tuple[float, int]] = {}
+        self.turn = 0  # counted turns
+        self._last_decoding = False
+        self._last_touched = False
+
+    def reference(self, decoding: int) -> float | None:
+        """The decode-only gap known for ``decoding`` rows (None: none, or forgotten)."""
+        known = self._references.get(decoding.bit_length())
+        if known is None or self.turn - known[1] > STALE:
+            return None
+        return known[0]
+
+    def reset(self) -> None:
+        self._references, self.turn = {}, 0
+        self._last_decoding = self._last_touched = False
+
+    def observe(self, gap: float, touched: bool, decoding: int) -> bool:
+        """One turn ended ``gap`` seconds after the previous one, ``touched`` if it launched
+        prefill work, with ``decoding`` rows decoding. Returns whether it counted."""
+        after, self._last_touched = self._last_touched, touched
+        counted = decoding > 0 and self._last_decoding  # a stream waited the whole gap
+        self._last_decoding = decoding > 0
+        if not counted:
+            return False
+        self.turn += 1
+        if not touched and not after:
+            reference = self.reference(decoding)
+            ref = gap if reference is None else reference + BASE_WEIGHT * (gap - reference)
+            self._references[decoding.bit_length()] = (ref, self.turn)
+        return True
+
+
 class PrefillBudget:
     """Prompt tokens a step may carry while rows decode (``tokens``), and while none does
     (``idle``). Engine thread only."""
 
-    def __init__(self, cap: int, idle: int, ratio: float = 0.0, floor: int | None = None) -> None:
+    def __init__(
+        self,
+        cap: int,
+        idle: int,
+        ratio: float = 0.0,
+        floor: int | None = None,
+        gaps: DecodeGaps | None = None,
+    ) -> None:
         if ratio < 0 or 0 < ratio < 1:
             raise ValueError(f"the prefill stall ratio must be 0 or >= 1, got {ratio}")
         self.cap = cap
@@ -44,11 +95,8 @@ class PrefillBudget:
         # Budgets move in quanta (chunk widths the device meets again, a few of them)
         self.quantum = max(1, min(64, self.floor // 2))
         self.tokens = cap
-        # batch size class -> (seconds between decode-only turns' ends, the turn it was set)
-        self._references: dict[int, tuple[float, int]] = {}
-        self._turn = 0  # counted turns
+        self.gaps = gaps if gaps is not None else DecodeGaps()  # fed here (``observe``)
         self._held: tuple[int, float] | None = None  # the previous turn's (prefill, gap)
-        self._last_decoding = False
 
     @property
     def adaptive(self) -> bool:
@@ -56,46 +104,40 @@ class PrefillBudget:
 
     def reference(self, decoding: int) -> float | None:
         """The decode-only gap known for ``decoding`` rows (None: none, or forgotten)."""
-        known = self._references.get(decoding.bit_length())
-        if known is None or self._turn - known[1] > STALE:
-            return None
-        return known[0]
+        return self.gaps.reference(decoding)
 
     def reset(self) -> None:
         """Back to the cap with no reference (after the warm-up: its steps are not traffic)."""
-        self.tokens, self._references, self._turn = self.cap, {}, 0
-        self._held, self._last_decoding = None, False
+        self.tokens, self._held = self.cap, None
+        self.gaps.reset()
 
-    def observe(self, gap: float, prefilled: int, decoding: int) -> None:
+    def observe(self, gap: float, prefilled: int, decoding: int, touched: bool = False) -> bool:
         """One turn ended ``gap`` seconds after the previous one, having prefilled
-        ``prefilled`` prompt tokens beside ``decoding`` decoding rows. A chunk is judged by
-        its own turn and the next (where its cost shows when it ran on a stream of its own):
-        either over the limit cuts the budget; both well within it, with the budget used,
-        grow it."""
-        if not self.adaptive:
-            return
+        ``prefilled`` prompt tokens beside ``decoding`` decoding rows (``touched``: it
+        launched a part of a chunk planned earlier). Feeds the reference gaps; then, where
+        the budget moves, a chunk is judged by its own turn and the next (where its cost
+        shows when it ran on a stream of its own): either over the limit cuts the budget;
+        both well within it, with the budget used, grow it. Returns whether the turn counted
+        (``DecodeGaps.observe``)."""
+        counted = self.gaps.observe(gap, touched or prefilled > 0, decoding)
         held, self._held = self._held, None
-        counted = decoding > 0 and self._last_decoding  # a stream waited the whole gap
-        self._last_decoding = decoding > 0
-        if not counted:
-            return
-        self._turn += 1
-        reference = self.reference(decoding)
-        if not prefilled and held is None:
-            ref = gap if reference is None else reference + BASE_WEIGHT * (gap - reference)
-            self._references[decoding.bit_length()] = (ref, self._turn)
-            return
+        if not self.adaptive or not counted:
+            return counted
+        if not prefilled and held is None:  # no chunk of this budget's to judge
+            return counted
         if prefilled:
             self._held = (prefilled, gap)
+        reference = self.reference(decoding)
         if reference is None or decoding > UP_TO:  # back toward the cap
             self.tokens = min(self.cap, self.tokens + self.quantum)
-            return
-        limit = self.ratio * reference
-        if gap > limit:
-            cut = self.tokens * max(MAX_CUT, limit / gap)
-            self.tokens = max(self.floor, int(cut) // self.quantum * self.quantum)
-        elif held is not None and self._grows(held, gap, limit):
-            self.tokens = min(self.cap, self.tokens + self.quantum)
+        else:
+            limit = self.ratio * reference
+            if gap > limit:
+                cut = self.tokens * max(MAX_CUT, limit / gap)
+                self.tokens = max(self.floor, int(cut) // self.quantum * self.quantum)
+            elif held is not None and self._grows(held, gap, limit):
+                self.tokens = min(self.cap, self.tokens + self.quantum)
+        return counted
 
     def _grows(self, held: tuple[int, float], gap: float, limit: float) -> bool:
         """The previous turn's chunk used most of the budget, and both its turns were well

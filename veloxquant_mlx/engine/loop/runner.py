@@ -45,6 +45,8 @@ class Runner:
         join_when_ready: With ``prefill_stream``, a prefilled row joins the first step built
             once its prefill is probably done on the device (``join_clock``), not the step
             built with its last chunk (which would wait for that chunk, and every row with it).
+        split_chunks: A chunk beside decoding rows may be launched in parts, as many as the
+            scheduler planned (``Chunk.parts``, ``--prefill-parts``).
         compiled_step: Decode steps over the dense layout run the model's forward compiled
             (``kv.compiled_step``), reading positions in chunks of ``compiled_read_chunk``.
     """
@@ -58,7 +60,7 @@ class Runner:
         prefill_stream: bool = False,
         join_when_ready: bool = False,
         sampling_cut: str = "sort",
-        prefill_parts: int = 1,
+        split_chunks: bool = False,
         compiled_step: bool = False,
         compiled_read_chunk: int = 128,
     ) -> None:
@@ -86,7 +88,7 @@ class Runner:
             prefill_stream,
             self._sample_first,
             self._launched,
-            prefill_parts,
+            split_chunks,
         )
 
     @property
@@ -115,6 +117,10 @@ class Runner:
         for chunk in plan.chunks:  # each completes before the next is built
             self._completed(self.prefills.chunk(chunk, split=decoding), results)
         return results
+
+    def take_work(self) -> float:
+        """Prefill launched since the last call, in tokens' worth (``Prefiller.take_work``)."""
+        return self.prefills.take_work()
 
     def staging(self) -> bool:
         """Whether a chunk's forward is being launched a part a turn (``--prefill-parts``):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,10 +25,13 @@ from veloxquant_mlx.engine.loop import lookup
 from veloxquant_mlx.engine.loop.blocks import BlockMath
 from veloxquant_mlx.engine.loop.lookup import DiskReads
 from veloxquant_mlx.engine.loop.prefill_budget import PrefillBudget
+from veloxquant_mlx.engine.loop.prefill_parts import PrefillParts
 from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
+
+log = logging.getLogger("veloxquant.engine")
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
 
@@ -50,6 +55,7 @@ class Scheduler:
         prefill_budget: int = 512,
         idle_prefill_budget: int = 2048,
         stall_ratio: float = 0.0,
+        prefill_parts: int | None = 1,
         answers_up_to: int | None = None,
         kv_format: str = "fp16",
         windows: dict[str, int] | None = None,
@@ -68,6 +74,9 @@ class Scheduler:
         # Prompt tokens per step at most, rows decoding (moved by measurement under a stall
         # ratio: prefill_budget.py) and none decoding (``idle``)
         self.budget = PrefillBudget(prefill_budget, idle_prefill_budget, stall_ratio)
+        # The parts a chunk beside decoding rows is launched in (None: auto, sized by the
+        # budget's reference gaps: prefill_parts.py)
+        self.parts = PrefillParts(prefill_parts, self.budget.gaps)
         # Cache a leaving row's generated pages too (``cache_generated``) while at most this
         # many requests run (None: always); ``row_pages`` is set by the engine to the runner's
         # (the scheduler runs no MLX).
@@ -383,6 +392,7 @@ class Scheduler:
         self.reclaim(plan)
         plan.admitted, plan.unservable = self.admit()
         self.make_room(plan)
+        decoding = sum(s.decoding for s in self.running)
         if prefill:
             plan_prefill(
                 plan,
@@ -391,11 +401,30 @@ class Scheduler:
                 self.idle_prefill_budget,
                 self.prefill_step,
             )
+        if decoding and plan.chunks:
+            plan.chunks = [
+                dataclasses.replace(c, parts=self.parts.parts(c.n, decoding)) for c in plan.chunks
+            ]
+            if self.parts.auto and log.isEnabledFor(logging.DEBUG):
+                rate = self.parts.rate
+                log.debug(
+                    "prefill beside %d decoding rows: chunks of %s tokens in %s parts (%s)",
+                    decoding, [c.n for c in plan.chunks], [c.parts for c in plan.chunks],
+                    "nothing learned" if rate is None else f"{1e6 * rate:.1f} us a token",
+                )  # fmt: skip
         for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
             # Admission took blocks for the prompt and the first token: nothing to grow.
             need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)
             assert seq.n_blocks >= need, "a row joins short"
         return plan
+
+    def turn_ended(self, gap: float, prefilled: int, launched: float, decoding: int) -> None:
+        """A turn ended ``gap`` seconds after the previous one, having planned ``prefilled``
+        prompt tokens and launched ``launched`` tokens' worth of prefill (parts of chunks
+        planned earlier included) beside ``decoding`` rows: what the budget and the parts
+        learn from."""
+        counted = self.budget.observe(gap, prefilled, decoding, touched=launched > 0)
+        self.parts.observe(gap, launched, decoding, counted)
 
     def decoded(self, rows: list[Seq | None]) -> None:
         """The step over ``rows`` (the batch's, holes as None) is built: each row's KV now

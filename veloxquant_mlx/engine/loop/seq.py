@@ -68,11 +68,13 @@ class Seq:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """``n`` prompt tokens of ``seq`` from position ``start``, in one forward."""
+    """``n`` prompt tokens of ``seq`` from position ``start``, in one forward, launched in
+    ``parts`` runs of its layers while other rows decode (the scheduler's ``PrefillParts``)."""
 
     seq: Seq
     start: int
     n: int
+    parts: int = 1
 
     @property
     def completes(self) -> bool:

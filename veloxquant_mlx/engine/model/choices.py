@@ -94,6 +94,27 @@ def compiled_step(cfg: EngineConfig, grouped: bool = False) -> bool:
     return wanted
 
 
+# The parts a chunk beside decoding rows is launched in under --prefill-parts auto, per
+# backend (None: as many as keep a turn within twice a decode-only one, engine/loop/
+# prefill_parts.py; DESIGN-NOTES.md, "A chunk launched a run of layers a step"): on CUDA a
+# chunk's launches stall the streams; on this CPU parts traded the arriving prompt's first
+# token for the others' smoothness about as a smaller budget does; Metal is not measured.
+PREFILL_PARTS: dict[str, int | None] = {"cpu": 1, "cuda": None, "metal": 1}
+
+
+def prefill_parts(cfg: EngineConfig, grouped: bool = False) -> int | None:
+    """The parts a chunk beside decoding rows is launched in (None: auto, learned from the
+    steps). Learned never in an mx.distributed group (``grouped``): every rank plans each
+    step alike, and each rank's own clock would make their plans differ."""
+    value = str(cfg.prefill_parts)
+    if value == "auto":
+        parts = PREFILL_PARTS[_backend()]
+        return 1 if parts is None and grouped else parts
+    if not value.isdigit() or not 1 <= int(value) <= 16:
+        raise ValueError(f"prefill_parts must be auto or 1 to 16, got {value!r}")
+    return int(value)
+
+
 def prefill_join(cfg: EngineConfig) -> bool:
     """Whether a prefilled row joins once its prefill is probably done (``ready``; ``now``,
     the default, joins it to the step built with its last chunk), where prefill runs on a

@@ -25,6 +25,7 @@ from veloxquant_mlx.engine.model.choices import (
     mlx_cache_limit,
     prefill_budget,
     prefill_join,
+    prefill_parts,
     prefill_stall_ratio,
     prefill_stream,
     sampling_cut,
@@ -307,6 +308,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     if group is None:  # (in a group every rank would have to decide alike: not there)
         last_logits.install(model)  # a prompt's forward projects only the position it samples
     own_stream = prefill_stream(cfg, kv.keeps_pages, grouped=group is not None)
+    parts = prefill_parts(cfg, grouped=group is not None)
     joins = prefill_join(cfg)
     runner = Runner(
         model,
@@ -316,7 +318,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         own_stream,
         joins,
         sampling_cut(cfg),
-        prefill_parts=cfg.prefill_parts,
+        split_chunks=parts != 1,
         compiled_step=compiled_step(cfg, grouped=group is not None),
         compiled_read_chunk=compiled_read_chunk(),
     )
@@ -330,6 +332,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         prefill_budget=prefill_budget(cfg),
         idle_prefill_budget=cfg.idle_prefill_budget,
         stall_ratio=prefill_stall_ratio(cfg, grouped=group is not None),
+        prefill_parts=parts,
         answers_up_to=answers_up_to(cfg.prefix_cache_answers, kv.keeps_pages),
         kv_format=codec.name,
         windows=windows,
@@ -369,9 +372,11 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
             else ""
         )
         + (
-            f", a chunk in {runner.prefills.parts} parts beside decoding"
-            if runner.prefills.parts > 1
-            else ""
+            ""
+            if not runner.prefills.split
+            else f", a chunk in {parts} parts beside decoding"
+            if parts
+            else ", a chunk in parts beside decoding (as many as keep a step within 2x)"
         ),
         "on" if cfg.prefix_caching else "off",
         blas,
