@@ -128,3 +128,22 @@ async def test_a_constrained_answer_is_the_content_even_when_the_template_opens_
     assert set(json.loads(message["content"])) == {"a"}
     assert message.get("reasoning_content") is None
     await wait_idle(client.engine)  # type: ignore[attr-defined]
+
+
+@pytest.mark.anyio
+async def test_the_reasoning_comes_apart_under_strict_tools_whose_text_stays_free(client_for):
+    # The template also names JSON tool calls in tags (mlx_lm then infers that format), so a
+    # strict function under tool_choice auto gets the grammar that leaves the text free: its
+    # think block is split from the answer as without tools.
+    template = THINK_TEMPLATE + "{# <tool_call> tool_call.name #}"
+    client = await client_for(chat_template=template)
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False},
+    }}  # fmt: skip
+    r = await client.post("/v1/chat/completions", json={**ASK, "tools": [tool]})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"], message
+    await wait_idle(client.engine)  # type: ignore[attr-defined]

@@ -33,7 +33,6 @@ from veloxquant_mlx.server.submission import (
 )
 from veloxquant_mlx.server.tools import (
     ToolCallSplitter,
-    free_text_grammar,
     splitter_for,
     strict_calls_grammar,
     template_messages,
@@ -99,11 +98,12 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     max_tokens = body.max_completion_tokens or body.max_tokens
     timeout = st.settings.grammar_timeout
     # Walking the tools' schemas is plain CPU: off the event loop, when there are any.
-    tool_text = None
+    tool_text, free_text = None, False
     if body.tools:  # one call forced, a call or the format's JSON, or strict calls' arguments
         for make in (tool_grammar, tool_or_answer_grammar, strict_calls_grammar):
             tool_text = await asyncio.to_thread(make, body, tokenizer)
             if tool_text is not None:
+                free_text = make is strict_calls_grammar  # the answer's text left free
                 break
     grammar: Grammar | None
     if tool_text is not None:
@@ -122,7 +122,7 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
         handles[0].tap = st.answers.tap(text, prompt, continues, eos, base)
     # A grammar holds from the first token: a constrained answer has no think block to split
     # (but an answer left free up to its strict tool calls may have one).
-    free = grammar is None or (tool_text is not None and free_text_grammar(tool_text))
+    free = grammar is None or free_text
     enabled = st.settings.reasoning != "off" and free
     tail = tokenizer.decode(tokens[-16:]) if enabled and think_tags(tokenizer) else ""
     return PreparedChat(

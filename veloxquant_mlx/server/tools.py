@@ -141,7 +141,8 @@ def strict_calls_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | N
     ``strict`` function, to its ``parameters`` (OpenAI's strict function calling: the
     arguments follow the schema); a call is the answer's end, one or (``parallel_tool_calls``)
     several. None otherwise, and for tool-call formats other than JSON in tags (calls then
-    come as written). The free text keeps any think block (``free_text_grammar``).
+    come as written). The free text keeps any think block (the route splits the reasoning
+    from it as from an unconstrained answer).
 
     Plain CPU over the tools' schemas: call it off the event loop.
 
@@ -165,12 +166,6 @@ def strict_calls_grammar(body: ChatCompletionRequest, tokenizer: Any) -> str | N
         f"END: {json.dumps(tokenizer.tool_call_end)}\n"
         "WS: /[ \\t\\r\\n]+/\n" + _args_rule(body, body.tools, strict_only=True)
     )
-
-
-def free_text_grammar(text: str) -> bool:
-    """Whether a tool grammar (this module's) leaves the answer's text free, think block and
-    all, so the reasoning is split from it as from an unconstrained answer."""
-    return text.startswith("start: TEXT |")
 
 
 def _regex_literal(text: str) -> str:
