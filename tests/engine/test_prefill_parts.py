@@ -160,21 +160,24 @@ def test_the_parts_per_backend_and_as_set(monkeypatch):
     assert choices.prefill_parts(EngineConfig()) == choices.PREFILL_PARTS["cpu"] == 1
     assert choices.prefill_parts(EngineConfig(prefill_parts="8")) == 8
     assert choices.prefill_parts(EngineConfig(prefill_parts=3)) == 3
+    assert choices.prefill_parts(EngineConfig(prefill_parts="adaptive")) is None
+    # never learned in a group: each rank's own clock would make their plans differ
+    assert choices.prefill_parts(EngineConfig(prefill_parts="adaptive"), grouped=True) == 1
     monkeypatch.setitem(choices.PREFILL_PARTS, "cpu", None)  # as on CUDA
     assert choices.prefill_parts(EngineConfig()) is None
-    assert choices.prefill_parts(EngineConfig(), grouped=True) == 1  # each rank's own clock
+    assert choices.prefill_parts(EngineConfig(), grouped=True) == 1
     with pytest.raises(ValueError, match="prefill_parts"):
         choices.prefill_parts(EngineConfig(prefill_parts="17"))
     assert Settings().prefill_parts == "auto"
+    assert Settings(prefill_parts="adaptive").prefill_parts == "adaptive"
     with pytest.raises(ValueError, match="prefill_parts"):
         Settings(prefill_parts="0")
 
 
-def test_auto_parts_learn_from_the_engines_turns_with_the_same_tokens(make_engine, monkeypatch):
+def test_adaptive_parts_learn_from_the_engines_turns_with_the_same_tokens(make_engine):
     # On this CPU a 64-token chunk over hundreds of cached tokens is many decode steps long:
     # once one is measured, later chunks go in more parts than the start's.
-    monkeypatch.setitem(choices.PREFILL_PARTS, "cpu", None)  # auto as on CUDA
-    auto, staged, engine = _serve(make_engine, "auto", 600, 120, first_tokens=6)
+    auto, staged, engine = _serve(make_engine, "adaptive", 600, 120, first_tokens=6)
     whole, staged_whole, _ = _serve(make_engine, 1, 600, 120, first_tokens=6)
     assert auto == whole
     assert staged_whole == 0 and staged >= 9 * (START - 1), staged  # nine chunks beside

@@ -72,12 +72,12 @@ class TuningSettings(BaseModel):
     )
     prefill_parts: str = Field(
         "auto",
-        pattern=r"^(auto|[1-9]|1[0-6])$",
+        pattern=r"^(auto|adaptive|[1-9]|1[0-6])$",
         description="While other requests decode, launch a prompt's chunk over this many "
         "steps (1 to 16), a run of its layers each, so each of their steps waits for a part "
-        "of the chunk instead of all of it; 1: the whole chunk in one step; auto: on CUDA the "
+        "of the chunk instead of all of it; 1: the whole chunk in one step; adaptive: the "
         "fewest parts that keep a step carrying one within twice a decode-only step, learned "
-        "from the steps (1 on a CPU and on Metal).",
+        "from the steps; auto: adaptive on CUDA, 1 on a CPU and on Metal.",
     )
     compiled_step: Literal["auto", "on", "off"] = Field(
         "auto",

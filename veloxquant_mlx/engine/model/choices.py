@@ -103,15 +103,16 @@ PREFILL_PARTS: dict[str, int | None] = {"cpu": 1, "cuda": None, "metal": 1}
 
 
 def prefill_parts(cfg: EngineConfig, grouped: bool = False) -> int | None:
-    """The parts a chunk beside decoding rows is launched in (None: auto, learned from the
-    steps). Learned never in an mx.distributed group (``grouped``): every rank plans each
-    step alike, and each rank's own clock would make their plans differ."""
+    """The parts a chunk beside decoding rows is launched in (None: as many as the turns show
+    are needed: ``adaptive``, or ``auto`` where that is the backend's). Never learned in an
+    mx.distributed group (``grouped``): every rank plans each step alike, and each rank's own
+    clock would make their plans differ."""
     value = str(cfg.prefill_parts)
-    if value == "auto":
-        parts = PREFILL_PARTS[_backend()]
+    if value in ("auto", "adaptive"):
+        parts = PREFILL_PARTS[_backend()] if value == "auto" else None
         return 1 if parts is None and grouped else parts
     if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise ValueError(f"prefill_parts must be auto or 1 to 16, got {value!r}")
+        raise ValueError(f"prefill_parts must be auto, adaptive or 1 to 16, got {value!r}")
     return int(value)
 
 
