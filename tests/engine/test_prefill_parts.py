@@ -163,7 +163,7 @@ def test_the_parts_per_backend_and_as_set(monkeypatch):
     assert choices.prefill_parts(EngineConfig(prefill_parts="adaptive")) is None
     # never learned in a group: each rank's own clock would make their plans differ
     assert choices.prefill_parts(EngineConfig(prefill_parts="adaptive"), grouped=True) == 1
-    monkeypatch.setitem(choices.PREFILL_PARTS, "cpu", None)  # as on CUDA
+    monkeypatch.setitem(choices.PREFILL_PARTS, "cpu", None)  # a backend whose auto is adaptive
     assert choices.prefill_parts(EngineConfig()) is None
     assert choices.prefill_parts(EngineConfig(), grouped=True) == 1
     with pytest.raises(ValueError, match="prefill_parts"):

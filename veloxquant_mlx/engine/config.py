@@ -86,8 +86,8 @@ class EngineConfig:
     # Launch a prompt's chunk over this many engine turns while other rows decode, a run of
     # its layers a turn (loop/layer_capture.py): each of their steps then waits for a part of
     # the chunk's launches, not all. 1: the whole chunk in one turn; "adaptive": as many as
-    # keep a turn within twice a decode-only one (loop/prefill_parts.py); "auto": adaptive
-    # where measured better, per backend (model/choices.py).
+    # keep a turn within twice a decode-only one (loop/prefill_parts.py); "auto": the measured
+    # best per backend (model/choices.py).
     prefill_parts: int | str = "auto"
     # Decode steps over the dense layout run the model's forward compiled (kv/compiled_step.py):
     # "on", "off", "auto" (the measured best per backend: model/choices.py's COMPILED_STEP).
