@@ -125,8 +125,8 @@ class DenseKV:
             v[:rows, :, p0 : p0 + 1] = values
         else:
             r, h, p = batch.scatter_index(keys.shape[1])
-            k[r, h, p] = keys[:, :, 0, :]
-            v[r, h, p] = values[:, :, 0, :]
+            k[r, h, p] = keys
+            v[r, h, p] = values
         self.k[layer], self.v[layer] = k, v
         w = batch.read_width  # <= capacity: begin_step grew it to width + 1 in SLOT_CHUNKs
         return k[:rows, :, :w], v[:rows, :, :w]

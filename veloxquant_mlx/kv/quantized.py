@@ -156,15 +156,14 @@ class QuantizedDenseKV(DenseKV):
         rows = keys.shape[0]
         out = []
         for dst, src in ((self.qk[layer], keys), (self.qv[layer], values)):
-            new = self.codec.encode(src)
             if batch.uniform:
                 p0 = batch.width - 1
-                for d, s in zip(dst, new, strict=True):
+                for d, s in zip(dst, self.codec.encode(src), strict=True):
                     d[:rows, :, p0 : p0 + 1] = s
             else:
                 r, h, p = batch.scatter_index(keys.shape[1])
-                for d, s in zip(dst, new, strict=True):
-                    d[r, h, p] = s[:, :, 0, :]
+                for d, s in zip(dst, self.codec.encode(src), strict=True):
+                    d[r, h, p] = s
             if not self.fused:  # (a fused step reads the working set itself: ``attend``)
                 out.append(tuple(d[:rows] for d in dst))  # whole rows: contiguous
         if self.recent:
@@ -174,7 +173,7 @@ class QuantizedDenseKV(DenseKV):
                     ring[:rows, :, slot : slot + 1] = src
                 else:
                     r, h, at = batch.scatter_index(keys.shape[1], self.recent)
-                    ring[r, h, at] = src[:, :, 0, :]
+                    ring[r, h, at] = src
         if self.fused:
             return keys, values  # the new token only: ``attend`` reads the rest
         return out[0], out[1]

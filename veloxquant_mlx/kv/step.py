@@ -116,18 +116,20 @@ class StepBatch:
 
     def scatter_index(self, heads: int, ring: int = 0) -> tuple[mx.array, mx.array, mx.array]:
         """Row, head and position indices for writing one token per row at its position, each
-        ``[rows, heads]`` (made once a step, not once a layer: a layer's scatter then
-        broadcasts none of them); with ``ring``, the position's slot in a ring of that many."""
+        ``[rows, heads, 1]`` (made once a step, not once a layer: a layer's scatter then
+        broadcasts none of them), so the update is the layer's new token as it comes, ``[rows,
+        heads, 1, D]``, with no slice of it; with ``ring``, the position's slot in a ring of
+        that many."""
         index = self._index.get((heads, ring))
         if index is None:
-            shape = (self.rows, heads)
+            shape = (self.rows, heads, 1)
             if ring:  # the rows' and heads' indices are the plain write's
                 r, h, _ = self.scatter_index(heads)
-                at = mx.broadcast_to((self.positions % ring)[:, None], shape)
+                at = mx.broadcast_to((self.positions % ring)[:, None, None], shape)
             else:
-                r = mx.broadcast_to(mx.arange(self.rows)[:, None], shape)
-                h = mx.broadcast_to(mx.arange(heads)[None, :], shape)
-                at = mx.broadcast_to(self.positions[:, None], shape)
+                r = mx.broadcast_to(mx.arange(self.rows)[:, None, None], shape)
+                h = mx.broadcast_to(mx.arange(heads)[None, :, None], shape)
+                at = mx.broadcast_to(self.positions[:, None, None], shape)
             index = self._index[(heads, ring)] = (r, h, at)
         return index
 
