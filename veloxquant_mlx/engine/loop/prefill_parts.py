@@ -21,10 +21,15 @@ a chunk is being launched) whole.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 
 from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS
 from veloxquant_mlx.engine.loop.prefill_budget import UP_TO, DecodeGaps
+from veloxquant_mlx.engine.loop.seq import Chunk
+
+log = logging.getLogger("veloxquant.engine")
 
 RATIO = 2.0  # a turn carrying a part: at most this many times a decode-only turn
 MOST = 16  # parts at most (a chunk's first token waits a turn for each)
@@ -69,6 +74,18 @@ class PrefillParts:
             return START
         cost = self.rate * (n_tokens + OVERHEAD_TOKENS)
         return max(1, min(MOST, math.ceil(cost / ((self.ratio - 1) * reference))))
+
+    def assign(self, chunks: list[Chunk], decoding: int) -> list[Chunk]:
+        """``chunks``, planned beside ``decoding`` decoding rows, each with its parts (one
+        debug line where they are learned)."""
+        chunks = [dataclasses.replace(c, parts=self.parts(c.n, decoding)) for c in chunks]
+        if self.auto and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "prefill beside %d decoding rows: chunks of %s tokens in %s parts (%s)",
+                decoding, [c.n for c in chunks], [c.parts for c in chunks],
+                "nothing learned" if self.rate is None else f"{1e6 * self.rate:.1f} us a token",
+            )  # fmt: skip
+        return chunks
 
     def reset(self) -> None:
         """Nothing learned (after the warm-up: its steps are not traffic)."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +28,6 @@ from veloxquant_mlx.engine.loop.prefill_plan import plan_prefill
 from veloxquant_mlx.engine.loop.prefix_cache import PrefixCache, SeqPages
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.pool import BlockPoolAllocator, BlockPoolExhaustedError
-
-log = logging.getLogger("veloxquant.engine")
 
 STREAMS = ("k", "v")  # a shared pool resolves both to its one "kv" list
 
@@ -402,16 +398,7 @@ class Scheduler:
                 self.prefill_step,
             )
         if decoding and plan.chunks:
-            plan.chunks = [
-                dataclasses.replace(c, parts=self.parts.parts(c.n, decoding)) for c in plan.chunks
-            ]
-            if self.parts.auto and log.isEnabledFor(logging.DEBUG):
-                rate = self.parts.rate
-                log.debug(
-                    "prefill beside %d decoding rows: chunks of %s tokens in %s parts (%s)",
-                    decoding, [c.n for c in plan.chunks], [c.parts for c in plan.chunks],
-                    "nothing learned" if rate is None else f"{1e6 * rate:.1f} us a token",
-                )  # fmt: skip
+            plan.chunks = self.parts.assign(plan.chunks, decoding)
         for seq in [*plan.together, *(c.seq for c in plan.chunks if c.completes)]:
             # Admission took blocks for the prompt and the first token: nothing to grow.
             need = self.blocks.blocks_for(seq.n_kv + 1, seq.kv_format)
