@@ -77,7 +77,7 @@ class TuningSettings(BaseModel):
         "steps (1 to 16), a run of its layers each, so each of their steps waits for a part "
         "of the chunk instead of all of it; 1: the whole chunk in one step; adaptive: the "
         "fewest parts that keep a step carrying one within twice a decode-only step, learned "
-        "from the steps; auto: the measured best per backend (1: whole chunks).",
+        "from the steps; auto: adaptive on CUDA, 1 on a CPU and on Metal.",
     )
     compiled_step: Literal["auto", "on", "off"] = Field(
         "auto",

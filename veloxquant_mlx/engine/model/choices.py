@@ -97,10 +97,11 @@ def compiled_step(cfg: EngineConfig, grouped: bool = False) -> bool:
 # The parts a chunk beside decoding rows is launched in under --prefill-parts auto, per
 # backend (None: adaptive, as many as keep a turn within twice a decode-only one:
 # engine/loop/prefill_parts.py; DESIGN-NOTES.md, "A chunk launched a run of layers a step"):
-# on this CPU parts traded the arriving prompt's first token for the others' smoothness about
-# as a smaller budget does; on CUDA fixed parts were measured (8 met the agent benchmark's
-# inter-token target at 0.79-0.91x its throughput), adaptive ones not yet; Metal is not measured.
-PREFILL_PARTS: dict[str, int | None] = {"cpu": 1, "cuda": 1, "metal": 1}
+# on an H100 adaptive brought the agent benchmark's inter-token p99 from 4.0x to 2.7x its
+# median at 8B (0.97x the throughput) and from 4.4-4.8x to 3.0-3.6x at 1B; on this CPU parts
+# traded the arriving prompt's first token for the others' smoothness about as a smaller
+# budget does; Metal is not measured.
+PREFILL_PARTS: dict[str, int | None] = {"cpu": 1, "cuda": None, "metal": 1}
 
 
 def prefill_parts(cfg: EngineConfig, grouped: bool = False) -> int | None:
