@@ -70,7 +70,7 @@ class Scheduler:
         # Prompt tokens per step at most, rows decoding (moved by measurement under a stall
         # ratio: prefill_budget.py) and none decoding (``idle``)
         self.budget = PrefillBudget(prefill_budget, idle_prefill_budget, stall_ratio)
-        # The parts a chunk beside decoding rows is launched in (None: auto, sized by the
+        # The parts a chunk beside decoding rows is launched in (None: adaptive, sized by the
         # budget's reference gaps: prefill_parts.py)
         self.parts = PrefillParts(prefill_parts, self.budget.gaps)
         # Cache a leaving row's generated pages too (``cache_generated``) while at most this
