@@ -241,8 +241,9 @@ class EngineCore:
             self._absorb(sampled)
         clock.mark()
         clock.report(len(runner.rows), plan)
-        decoding = sum(row is not None for row in runner.rows)
-        sched.turn_ended(clock.gap(), plan.prompt_tokens, runner.take_work(), decoding)
+        if sched.learns:  # (a moving budget, learned parts; nothing a turn when both are fixed)
+            decoding = sum(row is not None for row in runner.rows)
+            sched.turn_ended(clock.gap(), plan.prompt_tokens, runner.take_work(), decoding)
         self._inflight = [launched] if launched is not None else []
         if launched is None:
             runner.flush()

@@ -84,7 +84,6 @@ class PrefillBudget:
         idle: int,
         ratio: float = 0.0,
         floor: int | None = None,
-        gaps: DecodeGaps | None = None,
     ) -> None:
         if ratio < 0 or 0 < ratio < 1:
             raise ValueError(f"the prefill stall ratio must be 0 or >= 1, got {ratio}")
@@ -95,7 +94,7 @@ class PrefillBudget:
         # Budgets move in quanta (chunk widths the device meets again, a few of them)
         self.quantum = max(1, min(64, self.floor // 2))
         self.tokens = cap
-        self.gaps = gaps if gaps is not None else DecodeGaps()  # fed here (``observe``)
+        self.gaps = DecodeGaps()  # fed here (``observe``); the parts read it too
         self._held: tuple[int, float] | None = None  # the previous turn's (prefill, gap)
 
     @property

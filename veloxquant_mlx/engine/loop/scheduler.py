@@ -405,6 +405,11 @@ class Scheduler:
             assert seq.n_blocks >= need, "a row joins short"
         return plan
 
+    @property
+    def learns(self) -> bool:
+        """Whether the budget or the parts move by the turns' gaps (``turn_ended``)."""
+        return self.budget.adaptive or self.parts.auto
+
     def turn_ended(self, gap: float, prefilled: int, launched: float, decoding: int) -> None:
         """A turn ended ``gap`` seconds after the previous one, having planned ``prefilled``
         prompt tokens and launched ``launched`` tokens' worth of prefill (parts of chunks
