@@ -18,6 +18,8 @@ is ``+fused`` with the kernels' warp-per-position step (``kv.quantized_kernels``
 alone is the server's ``tile``);
 ``+sdpa`` (the default here) and ``+matmul`` say how a ragged step attends
 (``--ragged-attention``, e.g. ``auto+matmul``, the server's on a GPU from 32 rows);
+``+proj`` runs each layer's q/k/v and gate/up projections as one matmul each
+(``--fused-projections``, ``engine.model.fused_linear``);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
 ``kv.compiled_step``; its graph then holds the compile's fused kernels, one operation each). Each
 line also says whether row 0's greedy tokens over the steps are the first format's; its JSON
@@ -134,8 +136,20 @@ def main() -> None:
     a = p.parse_args()
     import mlx_lm
 
+    from veloxquant_mlx.engine.model import fused_linear
+
     path = write_model(Path(a.work) / f"model-{a.shape}", a.shape, a.dtype)
-    model = mlx_lm.load(str(path))[0]
+    models: dict[bool, object] = {}
+
+    def model_for(fmt: str) -> object:
+        """The model, with its projections fused (``+proj``) or as mlx_lm makes it."""
+        fused = "proj" in fmt.split("+")[1:]
+        if fused not in models:
+            models[fused] = mlx_lm.load(str(path))[0]
+            if fused:
+                fused_linear.install(models[fused])
+        return models[fused]
+
     prompt = [(7 * i) % 1000 + 3 for i in range(a.context)]
     print("| rows | KV format | traffic | ops in the graph | build ms | launch ms | wait ms "
           "| step ms | row 0's tokens as the first format's |\n"
@@ -145,7 +159,7 @@ def main() -> None:
         for fmt in a.formats.split(","):
             for traffic in a.traffic.split(","):
                 try:
-                    r = anatomy(model, prompt, rows, traffic, a.steps, fmt, a.ragged)
+                    r = anatomy(model_for(fmt), prompt, rows, traffic, a.steps, fmt, a.ragged)
                 except Exception as e:  # one format's failure (a kernel's compile) is its line
                     print(f"| {rows} | {fmt} | {traffic} | failed: {type(e).__name__}: "
                           f"{str(e)[:300]} |", flush=True)  # fmt: skip

@@ -79,6 +79,13 @@ class TuningSettings(BaseModel):
         "fewest parts that keep a step carrying one within twice a decode-only step, learned "
         "from the steps; auto: adaptive on CUDA, 1 on a CPU and on Metal.",
     )
+    fused_projections: Literal["on", "off"] = Field(
+        "on",
+        description="Run each layer's q/k/v projections as one matmul and its gate/up "
+        "projections as another (their weights concatenated at load), where the model's "
+        "own forward made five: on (kept only where a probe forward gives the same logits), "
+        "off. Never in an mx.distributed group.",
+    )
     compiled_step: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run a decode step's model forward as one compiled MLX function (traced "

@@ -89,6 +89,9 @@ class EngineConfig:
     # keep a turn within twice a decode-only one (loop/prefill_parts.py); "auto": the measured
     # best per backend (model/choices.py).
     prefill_parts: int | str = "auto"
+    # Each layer's q/k/v and gate/up projections as one matmul each (model/fused_linear.py):
+    # "on" (where a probe gives the same logits), "off".
+    fused_projections: str = "on"
     # Decode steps over the dense layout run the model's forward compiled (kv/compiled_step.py):
     # "on", "off", "auto" (the measured best per backend: model/choices.py's COMPILED_STEP).
     compiled_step: str = "auto"

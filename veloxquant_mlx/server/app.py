@@ -69,6 +69,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         mlx_cache_limit_mb=settings.mlx_cache_limit_mb,
         prefill_join=settings.prefill_join,
         prefill_parts=settings.prefill_parts,
+        fused_projections=settings.fused_projections,
         compiled_step=settings.compiled_step,
         paged_attention=settings.paged_attention,
         quantized_attention=settings.quantized_attention,
