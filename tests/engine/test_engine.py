@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -703,3 +704,44 @@ def test_an_abandoned_engine_answers_requests_and_commands_that_wait(make_engine
     release.set()  # the thread comes back (a real stuck one never does) and ends cleanly
     engine.shutdown(5)
     assert engine.pool.stats.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_constrained_step_launches_its_forward_before_making_the_masks(make_engine, layout):
+    """With a grammar row decoding in the dense layout, a step's forward is launched before the
+    host waits for the previous tokens and fills the masks (``Runner._early_forward``); never
+    in the paged layout, whose steps must wait for the previous one (in-place writes). The
+    constrained answer holds its schema and the plain row beside it its greedy tokens."""
+    from veloxquant_mlx.server.structured import schema_grammar
+
+    early: list[bool] = []
+    box: dict[str, Engine] = {}
+
+    def hook() -> None:  # engine thread, before each turn
+        engine = box.get("engine")
+        runner = None if engine is None else engine._core.runner
+        if runner is not None and any(r is not None for r in runner.rows):
+            early.append(runner._early_forward(runner.rows))
+
+    engine = make_engine(kv_layout=layout, step_hook=hook)
+    box["engine"] = engine
+    assert engine.grammars is not None
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "boolean"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    grammar = engine.grammars.compile(schema_grammar(schema, "s"))
+    ps = prompts(engine, 2)
+    alone = [t.token_id for t in engine.submit(request(ps[1], max_tokens=24)).collect(30)[0]]
+    early.clear()
+    constrained = engine.submit(
+        GenerationRequest(tuple(ps[0]), 40, SamplingParams(0.0), grammar=grammar)
+    )
+    plain = engine.submit(request(ps[1], max_tokens=24))
+    tokens, finish = constrained.collect(60)
+    assert finish.finish_reason == "stop"
+    assert isinstance(json.loads("".join(t.text for t in tokens))["n"], bool)
+    assert [t.token_id for t in plain.collect(60)[0]] == alone
+    assert any(early) == (layout == "dense")

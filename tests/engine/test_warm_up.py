@@ -200,3 +200,25 @@ def test_bucketed_prefill_attention_builds_its_shapes_before_ready(make_engine, 
     _, finish = engine.submit(GenerationRequest(tuple(range(5, 300)), 4, GREEDY)).collect(60)
     assert finish.finish_reason == "length"
     assert_engine_all_free(engine)
+
+
+def test_the_waves_draw_through_each_combination_of_cuts_clients_send():
+    """Each combination of cuts is its own compiled draw on a GPU: temperature alone, with
+    top_p (what chat clients send), with min_p, and top_k (with penalties, logprobs) are met
+    before ready, each beside another request (a batch's draw, not a lone row's)."""
+    from veloxquant_mlx.engine.request.sampling import BatchSampler, RowSampling
+
+    waves = warm_up_waves(4, 64, 2048, 2048)
+    met = set()
+    for wave in waves:
+        sampled = [r for r in wave if not r.sampling.greedy]
+        if sampled:
+            assert len(sampled) >= 2
+            s = BatchSampler([RowSampling(r.sampling, 2048) for r in sampled], 2048)
+            met.add((s.uses_min_p, s.uses_sort, s.uses_top_k, s.penalized))
+    assert {
+        (False, False, False, False),
+        (False, True, False, False),
+        (True, False, False, False),
+        (False, True, True, True),
+    } <= met

@@ -345,8 +345,25 @@ class Runner:
         sampler: BatchSampler,
         inputs: mx.array | None = None,
     ) -> Sampled:
+        if inputs is not None and self._early_forward(seqs):
+            # The constrained rows' masks need the previous step's tokens on the host: the
+            # step's forward runs meanwhile (launched now, it queues behind that step), so the
+            # device computes it while the host waits for those tokens and fills the masks.
+            mx.async_eval(logits)
         drawn = sampler.draw(logits, inputs, self._allowed(seqs, inputs))
         return Sampled(seqs, drawn.tokens, drawn)
+
+    def _early_forward(self, seqs: list[Seq | None]) -> bool:
+        """Whether a decode step's forward is launched before its grammar masks are made: some
+        row is constrained, and the layout lets a step run while the previous one does (its
+        writes stay in place) with no leaving row's pages being copied out."""
+        return (
+            not self.kv.launch_after_previous
+            and not self._copied_out
+            and any(
+                s is not None and s.state is not None and s.state.grammar is not None for s in seqs
+            )
+        )
 
     def _allowed(self, seqs: list[Seq | None], inputs: mx.array | None) -> mx.array | None:
         """The grammar masks of the constrained rows (fed the tokens this step feeds first; a

@@ -7,8 +7,9 @@ synthetic requests: every batch size from 1 up to ``max_running`` in powers of t
 one prefill chunk (of either width: ``--prefill-step`` and the budget beside decoding; with
 prefill widths padded to a bucket, every bucketed width up to them) and one of several
 chunks; rows at different positions (the masked decode step) beside a prompt prefilled in
-chunks, at 2 rows and at ``max_running``; a sampled request with penalties, top-k/top-p
-and logprobs; with several KV formats (``--kv-formats``), every batch size in each other
+chunks, at 2 rows and at ``max_running``; sampled requests of each combination of cuts
+(temperature alone, with top_p, with min_p; top-k/top-p with penalties and logprobs); with
+several KV formats (``--kv-formats``), every batch size in each other
 format and rows of every format at once (each format's store meets its own shapes); on CUDA
 a long conversation (``--warm-up-context``: a prompt of thousands of tokens beside a decoding
 row, then resent with a few more tokens, an agent's next turn); then it drops what they left
@@ -130,12 +131,28 @@ def warm_up_waves(
             ]
         )
         waves.append([GenerationRequest(first + prompt(NEXT_TURN), DECODE, greedy)])
-    sampled = SamplingParams(
-        temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.1
-    )
-    waves.append(
-        [GenerationRequest(prompt(PROMPT), DECODE, sampled, logprobs=True, top_logprobs=5)] * 2
-    )
+    # Each combination of cuts is a function of its own to compile on a GPU (the draw,
+    # ``request.sampling``): temperature alone and with top_p (what chat clients send), with
+    # min_p, and top_k with penalties and logprobs.
+    for sampled, logprobs in (
+        (SamplingParams(temperature=0.7), False),
+        (SamplingParams(temperature=0.7, top_p=0.9), False),
+        (SamplingParams(temperature=0.7, min_p=0.05), False),
+        (
+            SamplingParams(
+                temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.1
+            ),
+            True,
+        ),
+    ):
+        waves.append(
+            [
+                GenerationRequest(
+                    prompt(PROMPT), DECODE, sampled, logprobs=logprobs, top_logprobs=5 * logprobs
+                )
+                for _ in range(2)
+            ]
+        )
     for fmt in formats:
         for size in sizes:
             waves.append([GenerationRequest(prompt(PROMPT), DECODE, greedy, kv_format=fmt)] * size)
