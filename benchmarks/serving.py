@@ -76,6 +76,17 @@ SHAPES: dict[str, dict[str, Any]] = {
     # ~80M parameters with a 32,000-token vocabulary (Llama-2's, Mistral's): sampling's share
     # of a CPU step at a vocabulary of a real model's size.
     "32k": {**MEDIUM_CONFIG, "vocab_size": 32000},
+    # scripts/make_random_model.py's 105M-parameter Llama (the CPU benchmarks' "100m").
+    "100m": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 2048,
+        "tie_word_embeddings": True,
+    },
     # The 1B shape's 16 layers at a tiny width: a decode step is almost all host (Python and
     # launch) work, which is what a GPU step must hide behind its compute.
     "host": {
