@@ -34,12 +34,14 @@ def test_one_row_through_numpy_with_the_same_logits_and_tokens():
     one, rows = mx.array([[7]]), mx.array([[7, 8, 9], [3, 4, 5]])
     before_one, before_rows = model(one), model(rows)
     tokens = greedy(model, [5, 9, 11, 40], 16)
-    assert host_gemv.install(model) == 0  # the tiny model's weights are under the threshold
+    routed = [m for _, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)]
+    assert host_gemv.install(model) == 0  # the tiny model's weights are too few in all
     assert not host_gemv.installed(model)
-    n = host_gemv.install(model, smallest=0)
-    assert n == len([m for _, m in model.named_modules() if isinstance(m, nn.Linear)]) > 0
+    n = host_gemv.install(model, smallest=0, in_all=0)
+    assert n == len(routed) > 0
     assert host_gemv.installed(model)
     assert type(model.model.layers[0].mlp.down_proj) is host_gemv.HostLinear
+    assert type(model.model.embed_tokens) is host_gemv.HostEmbedding  # a tied head's product
     assert mx.allclose(model(one), before_one, rtol=1e-5, atol=1e-5).item()
     assert mx.array_equal(model(rows), before_rows).item()  # more rows: MLX's product
     assert greedy(model, [5, 9, 11, 40], 16) == tokens
@@ -47,12 +49,13 @@ def test_one_row_through_numpy_with_the_same_logits_and_tokens():
 
 def test_only_float32_weights():
     model = make(mx.bfloat16)
-    assert host_gemv.install(model, smallest=0) == 0
+    assert host_gemv.install(model, smallest=0, in_all=0) == 0
     assert not host_gemv.installed(model)
 
 
 def test_the_engine_steps_one_row_eagerly_and_more_rows_compiled(make_engine, monkeypatch):
     monkeypatch.setattr(host_gemv, "SMALLEST", 0)
+    monkeypatch.setattr(host_gemv, "LEAST_IN_ALL", 0)
     prompts = [tuple(range(5 + i, 25 + i)) for i in range(3)]
     results = {}
     for mode in ("on", "off"):
