@@ -19,8 +19,7 @@ alone is the server's ``tile``);
 ``+sdpa`` (the default here) and ``+matmul`` say how a ragged step attends
 (``--ragged-attention``, e.g. ``auto+matmul``, the server's on a GPU from 32 rows);
 ``+proj`` runs each layer's q/k/v and gate/up projections as one matmul each
-(``--fused-projections``, ``engine.model.fused_linear``); ``+host`` makes a float32 model's
-one-row products through numpy (``--host-gemv``, ``engine.model.host_gemv``);
+(``--fused-projections``, ``engine.model.fused_linear``);
 ``+compiled`` steps the dense layout through the compiled forward (``--compiled-step``,
 ``kv.compiled_step``; its graph then holds the compile's fused kernels, one operation each). Each
 line also says whether row 0's greedy tokens over the steps are the first format's; its JSON
@@ -137,23 +136,19 @@ def main() -> None:
     a = p.parse_args()
     import mlx_lm
 
-    from veloxquant_mlx.engine.model import fused_linear, host_gemv
+    from veloxquant_mlx.engine.model import fused_linear
 
     path = write_model(Path(a.work) / f"model-{a.shape}", a.shape, a.dtype)
-    models: dict[tuple[bool, bool], object] = {}
+    models: dict[bool, object] = {}
 
     def model_for(fmt: str) -> object:
-        """The model, with its projections fused (``+proj``), its one-row products through
-        numpy (``+host``), or as mlx_lm makes it."""
-        hows = fmt.split("+")[1:]
-        key = ("proj" in hows, "host" in hows)
-        if key not in models:
-            models[key] = mlx_lm.load(str(path))[0]
-            if key[0]:
-                fused_linear.install(models[key])
-            if key[1]:
-                host_gemv.install(models[key])
-        return models[key]
+        """The model, with its projections fused (``+proj``) or as mlx_lm makes it."""
+        fused = "proj" in fmt.split("+")[1:]
+        if fused not in models:
+            models[fused] = mlx_lm.load(str(path))[0]
+            if fused:
+                fused_linear.install(models[fused])
+        return models[fused]
 
     prompt = [(7 * i) % 1000 + 3 for i in range(a.context)]
     print("| rows | KV format | traffic | ops in the graph | build ms | launch ms | wait ms "

@@ -86,13 +86,6 @@ class TuningSettings(BaseModel):
         "own forward made five: on (kept only where a probe forward gives the same logits), "
         "off. Never in an mx.distributed group.",
     )
-    host_gemv: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="Compute a one-row product (a single stream's decode step) with a float32 "
-        "weight of at least 256K elements through numpy's sgemv instead of MLX's sgemm, which "
-        "packs the whole weight for one row: on, off, auto (on with a CPU). A one-row step "
-        "then runs op by op (not compiled).",
-    )
     compiled_step: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run a decode step's model forward as one compiled MLX function (traced "

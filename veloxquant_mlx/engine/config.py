@@ -92,9 +92,6 @@ class EngineConfig:
     # Each layer's q/k/v and gate/up projections as one matmul each (model/fused_linear.py):
     # "on" (where a probe gives the same logits), "off".
     fused_projections: str = "on"
-    # One-row products with large float32 weights through numpy's sgemv (model/host_gemv.py):
-    # "on", "off", "auto" (on with a CPU).
-    host_gemv: str = "auto"
     # Decode steps over the dense layout run the model's forward compiled (kv/compiled_step.py):
     # "on", "off", "auto" (the measured best per backend: model/choices.py's COMPILED_STEP).
     compiled_step: str = "auto"

@@ -70,7 +70,6 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefill_join=settings.prefill_join,
         prefill_parts=settings.prefill_parts,
         fused_projections=settings.fused_projections,
-        host_gemv=settings.host_gemv,
         compiled_step=settings.compiled_step,
         paged_attention=settings.paged_attention,
         quantized_attention=settings.quantized_attention,

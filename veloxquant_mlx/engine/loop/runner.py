@@ -49,8 +49,6 @@ class Runner:
             scheduler planned (``Chunk.parts``, ``--prefill-parts``).
         compiled_step: Decode steps over the dense layout run the model's forward compiled
             (``kv.compiled_step``), reading positions in chunks of ``compiled_read_chunk``.
-        eager_one_row: A step of one row is built op by op, never compiled (the model's
-            one-row products run through numpy: ``model.host_gemv``).
     """
 
     def __init__(
@@ -65,7 +63,6 @@ class Runner:
         split_chunks: bool = False,
         compiled_step: bool = False,
         compiled_read_chunk: int = 128,
-        eager_one_row: bool = False,
     ) -> None:
         self.kv = kv
         self.vocab_size = vocab_size
@@ -81,7 +78,6 @@ class Runner:
         self.compiled = (
             CompiledStep(model, self._n_layers, compiled_read_chunk) if compiled_step else None
         )
-        self.eager_one_row = eager_one_row
         self._last: Sampled | None = None  # the latest step, whose tokens feed the next
         self._sampler: BatchSampler | None = None  # the batch's, for the rows of ``_last``
         self._joins = JoinQueue() if prefill_stream and join_when_ready else None
@@ -298,8 +294,7 @@ class Runner:
             )
         batch = self.kv.step_batch([0 if s is None else s.n_kv for s in rows])
         self.kv.begin_step(batch, max_block_id)
-        compiled = None if self.eager_one_row and len(rows) == 1 else self.compiled
-        logits = decode_logits(self.model, self.kv, inputs, batch, self._n_layers, compiled)
+        logits = decode_logits(self.model, self.kv, inputs, batch, self._n_layers, self.compiled)
         if self._sampler is None or not same_rows:
             self._sampler = self._sampler_for(rows, self._sampler)
         sampled = self._sample(rows, logits, self._sampler, inputs)

@@ -18,7 +18,7 @@ from veloxquant_mlx.engine.loop.group import PIPELINE, Group, init_group
 from veloxquant_mlx.engine.loop.page_file import fingerprint
 from veloxquant_mlx.engine.loop.runner import Runner
 from veloxquant_mlx.engine.loop.scheduler import Scheduler
-from veloxquant_mlx.engine.model import fused_linear, host_gemv
+from veloxquant_mlx.engine.model import fused_linear
 from veloxquant_mlx.engine.model.choices import (
     answers_up_to,
     compiled_read_chunk,
@@ -218,8 +218,6 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
     geometry = probe_geometry(model)
     if group is None and cfg.fused_projections == "on":  # (a shard's linears are not plain)
         fused_linear.install(model)
-    if group is None and host_gemv.wanted(cfg.host_gemv):
-        host_gemv.install(model)
     formats = kv_formats(cfg, geometry)
     codec = formats.own
     n_heads = getattr(getattr(model, "args", None), "num_attention_heads", geometry.n_kv_heads)
@@ -326,7 +324,6 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         split_chunks=parts != 1,
         compiled_step=compiled_step(cfg, grouped=group is not None),
         compiled_read_chunk=compiled_read_chunk(),
-        eager_one_row=host_gemv.installed(model),
     )
     scheduler = Scheduler(
         pool,
