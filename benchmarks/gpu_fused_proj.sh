@@ -7,13 +7,14 @@
 # (the device's peak read from nvidia-smi's name: H200 4.8 TB/s, H100 3.35). Writes under
 # OUT_DIR; prints the tables and any traceback.
 #
-#   benchmarks/gpu_fused_proj.sh OUT_DIR [SHAPES] [SERVE_SHAPE]   (defaults "1b 8b", 8b;
+#   benchmarks/gpu_fused_proj.sh OUT_DIR [SHAPES] [SERVE_SHAPE]   (defaults "1b 8b", 8b; "" and
+#                                                  none skip the steps and the serving;
 #                                                  ~2 min a shape for the steps, ~5 for serving)
 #
 # On the lent GPU (../shared/gpu/README.md): after staging, in the call that sources
 # .gpu2/env.sh. Every server is stopped by pid (benchmarks.serving's context managers).
 set -euo pipefail
-out=$1 shapes=${2:-1b 8b} serve=${3:-8b}
+out=$1 shapes=${2-1b 8b} serve=${3:-8b}
 mkdir -p "$out"
 . "$(dirname "$0")/serve_lib.sh"
 peak=4800
