@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.models import MEDIUM_CONFIG
+from benchmarks.models import LARGE_CONFIG, MEDIUM_CONFIG
 from loadtest.__main__ import level, parse
 from loadtest.probe import scrape
 from loadtest.proc import free_port, server
@@ -77,16 +77,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     # of a CPU step at a vocabulary of a real model's size.
     "32k": {**MEDIUM_CONFIG, "vocab_size": 32000},
     # scripts/make_random_model.py's 105M-parameter Llama (the CPU benchmarks' "100m").
-    "100m": {
-        "hidden_size": 768,
-        "num_hidden_layers": 12,
-        "intermediate_size": 3072,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 2048,
-        "tie_word_embeddings": True,
-    },
+    "100m": LARGE_CONFIG,
     # The 1B shape's 16 layers at a tiny width: a decode step is almost all host (Python and
     # launch) work, which is what a GPU step must hide behind its compute.
     "host": {

@@ -721,7 +721,7 @@ def test_a_constrained_step_launches_its_forward_before_making_the_masks(make_en
         engine = box.get("engine")
         runner = None if engine is None else engine._core.runner
         if runner is not None and any(r is not None for r in runner.rows):
-            early.append(runner._early_forward(runner.rows))
+            early.append(runner._early_forward(runner._constrained(runner.rows)))
 
     engine = make_engine(kv_layout=layout, step_hook=hook)
     box["engine"] = engine

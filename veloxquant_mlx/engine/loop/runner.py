@@ -345,34 +345,37 @@ class Runner:
         sampler: BatchSampler,
         inputs: mx.array | None = None,
     ) -> Sampled:
-        if inputs is not None and self._early_forward(seqs):
+        constrained = self._constrained(seqs)
+        if inputs is not None and self._early_forward(constrained):
             # The constrained rows' masks need the previous step's tokens on the host: the
             # step's forward runs meanwhile (launched now, it queues behind that step), so the
             # device computes it while the host waits for those tokens and fills the masks.
             mx.async_eval(logits)
-        drawn = sampler.draw(logits, inputs, self._allowed(seqs, inputs))
+        drawn = sampler.draw(logits, inputs, self._allowed(constrained, len(seqs), inputs))
         return Sampled(seqs, drawn.tokens, drawn)
 
-    def _early_forward(self, seqs: list[Seq | None]) -> bool:
-        """Whether a decode step's forward is launched before its grammar masks are made: some
-        row is constrained, and the layout lets a step run while the previous one does (its
-        writes stay in place) with no leaving row's pages being copied out."""
-        return (
-            not self.kv.launch_after_previous
-            and not self._copied_out
-            and any(
-                s is not None and s.state is not None and s.state.grammar is not None for s in seqs
-            )
-        )
-
-    def _allowed(self, seqs: list[Seq | None], inputs: mx.array | None) -> mx.array | None:
-        """The grammar masks of the constrained rows (fed the tokens this step feeds first; a
-        grammar that fails fails its request alone), or None when no row is constrained."""
-        rows = [
+    @staticmethod
+    def _constrained(seqs: list[Seq | None]) -> list[tuple[int, RowState]]:
+        """(slot, state) of the rows a grammar constrains."""
+        return [
             (i, s.state)
             for i, s in enumerate(seqs)
             if s is not None and s.state is not None and s.state.grammar is not None
         ]
+
+    def _early_forward(self, constrained: list[tuple[int, RowState]]) -> bool:
+        """Whether a decode step's forward is launched before its grammar masks are made: some
+        row is constrained (``_constrained``), and the layout lets a step run while the
+        previous one does (its writes stay in place) with no leaving row's pages being copied
+        out."""
+        return bool(constrained) and not self.kv.launch_after_previous and not self._copied_out
+
+    def _allowed(
+        self, rows: list[tuple[int, RowState]], n_rows: int, inputs: mx.array | None
+    ) -> mx.array | None:
+        """The grammar masks of the constrained ``rows`` of ``n_rows`` (fed the tokens this
+        step feeds first; a grammar that fails fails its request alone), or None when no row
+        is constrained."""
         if not rows:
             return None
         fed: list[int] = [] if inputs is None else inputs.tolist()  # type: ignore[assignment]
@@ -388,7 +391,7 @@ class Runner:
                 live.append((i, state.grammar))
         if not live:
             return None
-        return bitmask_to_allowed(fill_masks(live, len(seqs), self.vocab_size), self.vocab_size)
+        return bitmask_to_allowed(fill_masks(live, n_rows, self.vocab_size), self.vocab_size)
 
     def remove(self, seq: Seq) -> None:
         """Take ``seq``'s row out of the batch (finish, cancel, preemption); O(row)."""

@@ -18,6 +18,7 @@ Engine thread only (the parts share their group's last input).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,7 @@ class _Group:
 
     def __init__(self, linear: nn.Module, widths: Sequence[int]) -> None:
         self.linear = linear
-        self.cuts = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
+        self.cuts = list(itertools.accumulate(widths))[:-1]
         self.x: mx.array | None = None
         self.parts: list[mx.array] = []
         self.left = 0
@@ -93,18 +94,19 @@ def _fusable(members: list[Any]) -> bool:
 
 def _fuse(members: list[Any]) -> nn.Module:
     first = members[0]
-    if type(first) is nn.Linear:
-        whole: nn.Module = nn.Linear(1, 1, bias="bias" in first)
-    else:
-        whole = nn.QuantizedLinear(
+    quantized = type(first) is nn.QuantizedLinear
+    if quantized:
+        whole: nn.Module = nn.QuantizedLinear(
             first.group_size, 1, "bias" in first, first.group_size, first.bits, first.mode
         )
         if "biases" not in first:
             whole.pop("biases", None)
+    else:
+        whole = nn.Linear(1, 1, bias="bias" in first)
     for name in _ARRAYS:
         if name in first:
             setattr(whole, name, mx.concatenate([m[name] for m in members], axis=0))
-    if type(first) is nn.QuantizedLinear:
+    if quantized:
         whole.freeze()
     return whole
 
@@ -131,16 +133,12 @@ def install(model: Any) -> int:
     mx.eval(before)
     for module, names, members in groups:
         whole = _fuse(members)
-        widths = [m.weight.shape[0] for m in members]
         mx.eval(whole.parameters())
-        start = 0
-        for i, member in enumerate(members):
-            end = start + widths[i]
+        group = _Group(whole, [m.weight.shape[0] for m in members])
+        for member, start, end in zip(members, [0, *group.cuts], [*group.cuts, None], strict=True):
             for array in _ARRAYS:  # the member's own arrays, freed: views of the whole's
                 if array in member:
                     member[array] = whole[array][start:end]
-            start = end
-        group = _Group(whole, widths)
         for i, name in enumerate(names):
             setattr(module, name, FusedPart(group, i))
     after = model(probe)
