@@ -193,3 +193,71 @@ def test_a_streamed_response_is_stored_when_it_completes(oai):
         model=MODEL, previous_response_id=final.id, input="more", max_output_tokens=2
     )
     assert after.usage.input_tokens > final.usage.input_tokens
+
+
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+}
+
+
+def test_codex_turns_custom_tools_and_resent_reasoning(tool_server):
+    """What Codex sends every turn: its custom tool, its earlier reasoning items (store off,
+    so resent whole), custom tool calls and their outputs, and a reasoning effort."""
+    client = openai.OpenAI(base_url=f"{tool_server.base_url}/v1", api_key="x", max_retries=0)
+    fn = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(
+        model=MODEL, input="patch it", tools=[fn, PATCH], max_output_tokens=60, store=False,
+        tool_choice={"type": "custom", "name": "apply_patch"}, reasoning={"effort": "low"},
+        temperature=0,
+    )  # fmt: skip
+    calls = [o for o in r.output if o.type == "custom_tool_call"]
+    assert len(calls) == 1 and calls[0].name == "apply_patch", r.output
+    assert isinstance(calls[0].input, str) and calls[0].call_id
+    streamed = list(
+        client.responses.create(
+            model=MODEL, input="patch it", tools=[fn, PATCH], max_output_tokens=60, store=False,
+            tool_choice={"type": "custom", "name": "apply_patch"}, reasoning={"effort": "low"},
+            temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    kinds = [e.type for e in streamed]
+    assert "response.custom_tool_call_input.done" in kinds, kinds
+    done = next(e for e in streamed if e.type == "response.custom_tool_call_input.done")
+    assert done.input == calls[0].input  # greedy, the same prompt
+    # The next turn resends the reasoning, the call and its output; the reasoning is read and
+    # left out of the prompt, the custom call is the function call the model made.
+    history = [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "patch it"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "hm"}],
+         "encrypted_content": "opaque"},
+        {"type": "custom_tool_call", "call_id": calls[0].call_id, "name": "apply_patch",
+         "input": calls[0].input},
+        {"type": "custom_tool_call_output", "call_id": calls[0].call_id, "output": "Done!"},
+    ]  # fmt: skip
+    follow = client.responses.create(
+        model=MODEL, input=history, tools=[fn, PATCH], max_output_tokens=4, temperature=0,
+        store=False,
+    )  # fmt: skip
+    without_reasoning = client.responses.create(
+        model=MODEL, input=[history[0], *history[2:]], tools=[fn, PATCH], max_output_tokens=4,
+        temperature=0, store=False,
+    )  # fmt: skip
+    assert follow.usage.input_tokens == without_reasoning.usage.input_tokens
+    assert follow.output_text == without_reasoning.output_text
+    as_function = client.responses.create(
+        model=MODEL, tools=[fn, PATCH], max_output_tokens=4, temperature=0, store=False,
+        input=[
+            history[0],
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "apply_patch",
+             "arguments": json.dumps({"input": calls[0].input})},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Done!"},
+        ],
+    )  # fmt: skip
+    assert as_function.usage.input_tokens == follow.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="x", reasoning={"effort": "extreme"})
+    assert info.value.body["param"] == "reasoning.effort", info.value.body

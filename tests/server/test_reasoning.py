@@ -78,6 +78,20 @@ async def test_chat_responses_and_messages_return_the_reasoning_apart(client_for
                             json={**ASK, "chat_template_kwargs": {"thinking": False}})  # fmt: skip
     assert off.json()["choices"][0]["message"]["reasoning_content"] is None
     assert off.json()["choices"][0]["message"]["content"]
+    # OpenAI's reasoning_effort: "none" is the template's switch off, the others leave it on;
+    # the Responses API's reasoning.effort is the same; an explicit template variable wins.
+    for effort, thinks in (("none", False), ("minimal", True), ("high", True)):
+        got = await client.post("/v1/chat/completions", json={**ASK, "reasoning_effort": effort})
+        assert bool(got.json()["choices"][0]["message"]["reasoning_content"]) is thinks, effort
+    kinds = (await client.post("/v1/responses", json={
+        "model": MODEL, "input": "why?", "max_output_tokens": 12, "temperature": 0,
+        "reasoning": {"effort": "none"}})).json()["output"]  # fmt: skip
+    assert [k["type"] for k in kinds] == ["message"]
+    both = {**ASK, "reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}}
+    got = await client.post("/v1/chat/completions", json=both)
+    assert got.json()["choices"][0]["message"]["reasoning_content"]
+    bad = await client.post("/v1/chat/completions", json={**ASK, "reasoning_effort": "max"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
     resp = await client.post(
         "/v1/responses",
         json={"model": MODEL, "input": "why?", "max_output_tokens": 12, "temperature": 0},

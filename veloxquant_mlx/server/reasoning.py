@@ -30,6 +30,18 @@ def think_tags(tokenizer: Any) -> tuple[str, str] | None:
     return None
 
 
+def effort_variables(effort: str | None) -> dict[str, Any]:
+    """OpenAI's ``reasoning_effort`` (chat) or ``reasoning.effort`` (Responses) as the chat
+    template variables models read: gpt-oss's ``reasoning_effort`` (low, medium, high), and
+    for ``none`` the switch of Qwen3's (``enable_thinking``) and DeepSeek's (``thinking``)
+    templates off. A template reads the names it knows and ignores the others."""
+    if effort is None:
+        return {}
+    if effort == "none":
+        return {"enable_thinking": False, "thinking": False}
+    return {"reasoning_effort": "low" if effort == "minimal" else effort}
+
+
 def starts_inside(prompt_text: str, tags: tuple[str, str]) -> bool:
     """Whether the rendered prompt leaves the output inside an open think block."""
     tail = prompt_text.rstrip()

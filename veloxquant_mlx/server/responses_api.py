@@ -1,11 +1,16 @@
 """The Responses API request, and its translation to a chat request (one path to the engine).
 
 ``previous_response_id`` continues a stored response's conversation (``response_store``): the
-route passes its messages before the request's own. Text input only.
+route passes its messages before the request's own. Text input only. ``reasoning`` items a
+client resends (Codex does, every turn) are read and left out of the prompt, as chat
+templates leave earlier turns' reasoning out. A ``custom`` tool (free-text input, Codex's
+``apply_patch``) is a function of one string, ``input``, to the model; its calls come back as
+``custom_tool_call`` items (``custom_call``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
@@ -34,6 +39,7 @@ class ResponsesRequest(BaseModel):
     stream: StrictBool = False
     store: StrictBool | None = None
     previous_response_id: Text | None = None
+    reasoning: dict[str, Any] | None = None  # its effort: the template's (effort_variables)
     metadata: dict[str, Any] | None = None
     kv_format: KVFormat | None = None  # this server's extension (--kv-formats)
 
@@ -73,18 +79,22 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"{where}.role must be user, assistant, system or developer", where)
             messages.append({"role": role, "content": _content_text(item.get("content"), where)})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "function_call":
+                arguments = item.get("arguments", "{}")
+            else:
+                arguments = json.dumps({CUSTOM_INPUT: item.get("input", "")})
             call = {
                 "id": item.get("call_id"),
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+                "function": {"name": item.get("name"), "arguments": arguments},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             messages.append(
                 {
@@ -93,9 +103,50 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     "content": _content_text(output, where),
                 }
             )
-        else:
+        elif kind != "reasoning":
             raise _bad(f"input items of type '{kind}' are not supported", where)
     return messages
+
+
+# A custom tool's one parameter, as the model sees it
+CUSTOM_INPUT = "input"
+
+
+def custom_tools(req: ResponsesRequest) -> frozenset[str]:
+    """The names of the request's ``custom`` tools."""
+    return frozenset(str(t.get("name")) for t in req.tools or () if t.get("type") == "custom")
+
+
+def custom_call(call: dict[str, Any]) -> str:
+    """A call to a custom tool: the text its ``input`` argument holds (the arguments as
+    written, when the model wrote something else)."""
+    arguments = call["function"]["arguments"]
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return str(arguments)
+    if isinstance(parsed, dict) and isinstance(parsed.get(CUSTOM_INPUT), str):
+        return str(parsed[CUSTOM_INPUT])
+    return str(arguments)
+
+
+def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A custom tool as the function the model is shown: one string parameter; its input's
+    grammar (``format``), if any, in the description (shown, not enforced)."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise _bad("a custom tool needs a name", where)
+    description = tool.get("description") or ""
+    fmt = tool.get("format") or {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        syntax = fmt.get("syntax", "lark")
+        description += f"\n\nThe input follows this {syntax} grammar:\n{fmt['definition']}"
+    parameters = {
+        "type": "object",
+        "properties": {CUSTOM_INPUT: {"type": "string"}},
+        "required": [CUSTOM_INPUT],
+        "additionalProperties": False,
+    }
+    return {"name": tool["name"], "description": description.strip(), "parameters": parameters}
 
 
 def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -103,9 +154,14 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
         return None
     out = []
     for i, tool in enumerate(req.tools):
+        if tool.get("type") == "custom":
+            out.append({"type": "function", "function": _custom_function(tool, f"tools.{i}")})
+            continue
         if tool.get("type") != "function":
             raise _bad(
-                f"only function tools are supported (got '{tool.get('type')}')", f"tools.{i}"
+                f"only function and custom tools are supported (got '{tool.get('type')}': "
+                "tools that run on the provider's side have nothing to run them here)",
+                f"tools.{i}",
             )
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": fn})
@@ -115,8 +171,10 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
 def _tool_choice(req: ResponsesRequest) -> Any:
     choice = req.tool_choice
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise _bad("tool_choice must name a function: {type: function, name}", "tool_choice")
+        if choice.get("type") not in ("function", "custom") or not isinstance(
+            choice.get("name"), str
+        ):
+            raise _bad("tool_choice must name a tool: {type: function, name}", "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
@@ -145,7 +203,10 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls = [
         {"id": item["call_id"], "type": "function",
          "function": {"name": item["name"], "arguments": item["arguments"]}}
-        for item in output if item.get("type") == "function_call"
+        if item["type"] == "function_call" else
+        {"id": item["call_id"], "type": "function",
+         "function": {"name": item["name"], "arguments": json.dumps({CUSTOM_INPUT: item["input"]})}}
+        for item in output if item.get("type") in ("function_call", "custom_tool_call")
     ]  # fmt: skip
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
@@ -174,6 +235,7 @@ def to_chat(
         "tool_choice": _tool_choice(req),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
         "stream": req.stream,
         "kv_format": req.kv_format,
     }
@@ -185,4 +247,6 @@ def to_chat(
         from veloxquant_mlx.server.errors import describe_validation
 
         message, param = describe_validation(list(exc.errors()))
+        message = message.replace("reasoning_effort", "reasoning.effort")
+        param = "reasoning.effort" if param == "reasoning_effort" else param
         raise _bad(message, param or "input") from None

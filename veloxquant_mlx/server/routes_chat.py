@@ -17,6 +17,7 @@ from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.reasoning import (
     ReasoningSplitter,
+    effort_variables,
     think_tags,
     think_then_split,
 )
@@ -64,11 +65,12 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     tokenizer = st.engine.tokenizer
     tools = template_tools(body, tokenizer)
     messages = template_messages(body)
+    variables = {**effort_variables(body.reasoning_effort), **(body.chat_template_kwargs or {})}
 
     def template(conversation: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(
             conversation, tools=tools, add_generation_prompt=True, tokenize=False,
-            **(body.chat_template_kwargs or {}),
+            **variables,
         )  # type: ignore[no-any-return]  # fmt: skip
 
     def render() -> tuple[str, list[int], str | None]:

@@ -20,6 +20,8 @@ from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batc
 from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.responses_api import (
     ResponsesRequest,
+    custom_call,
+    custom_tools,
     input_messages,
     output_messages,
     to_chat,
@@ -49,6 +51,7 @@ class Built:
     model: str
     stored: bool = False  # kept for previous_response_id (``store`` and --responses-store)
     inputs: list[dict[str, Any]] = field(default_factory=list)  # its input as chat messages
+    custom: frozenset[str] = frozenset()  # its custom tools' names
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -72,6 +75,15 @@ class Built:
         }
 
     def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+        if call["function"]["name"] in self.custom:
+            return {
+                "type": "custom_tool_call",
+                "id": _id("ctc"),
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "input": custom_call(call),
+                "status": status,
+            }
         return {
             "type": "function_call",
             "id": _id("fc"),
@@ -168,7 +180,7 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
         exc.param = _RESPONSES_PARAM.get(exc.param or "", exc.param)
         raise
     stored = req.store is not False and st.responses.capacity > 0
-    built = Built(req, st.model_name, stored, inputs)
+    built = Built(req, st.model_name, stored, inputs, custom=custom_tools(req))
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     reasoner = prepared.reasoners[0]
     if req.stream:
@@ -279,14 +291,25 @@ async def _events(
                 index = len(built.output) - 1
                 done = {**item, "status": "completed"}
                 built.output[index] = done
+                if item["type"] == "custom_tool_call":
+                    body = [
+                        event("response.custom_tool_call_input.delta", item_id=item["id"],
+                              output_index=index, delta=item["input"]),
+                        event("response.custom_tool_call_input.done", item_id=item["id"],
+                              output_index=index, input=item["input"]),
+                    ]  # fmt: skip
+                else:
+                    body = [
+                        event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=index, delta=item["arguments"]),
+                        event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"], arguments=item["arguments"]),
+                    ]  # fmt: skip
                 out += [
                     event("response.output_item.added", output_index=index, item=item),
-                    event("response.function_call_arguments.delta", item_id=item["id"],
-                          output_index=index, delta=item["arguments"]),
-                    event("response.function_call_arguments.done", item_id=item["id"],
-                          output_index=index, name=item["name"], arguments=item["arguments"]),
+                    *body,
                     event("response.output_item.done", output_index=index, item=done),
-                ]  # fmt: skip
+                ]
             return out
 
         async for batch in chain(*first):
@@ -317,7 +340,8 @@ async def _events(
                 "error": {"code": err.code, "message": err.message},
             })  # fmt: skip
             return
-        if message is None and not any(i["type"] == "function_call" for i in built.output):
+        call_kinds = ("function_call", "custom_tool_call")
+        if message is None and not any(i["type"] in call_kinds for i in built.output):
             for chunk in open_message():
                 yield chunk
         if message is not None:

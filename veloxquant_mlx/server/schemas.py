@@ -217,6 +217,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool = True
     # Extra variables for the chat template (vLLM's and SGLang's name), e.g. enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning switch, given to the template by the names models read
+    # (``effort_variables``); chat_template_kwargs, where it sets the same names, wins.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # OpenAI's deprecated function calling: refused (a client relying on it would otherwise get
     # text where it expects a call), not ignored; "none" / empty asks for nothing and passes.
     functions: list[Any] | None = None
