@@ -122,7 +122,7 @@ def test_tools_required_gives_function_call_items(tool_server):
         ({"previous_response_id": "resp_123"}, "previous_response_id"),  # never stored
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"tools": [{"type": "namespace", "name": "a", "tools": []}]}, "tools.0.tools"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
@@ -258,6 +258,22 @@ def test_codex_turns_custom_tools_and_resent_reasoning(tool_server):
         ],
     )  # fmt: skip
     assert as_function.usage.input_tokens == follow.usage.input_tokens
+    # Codex's other tools: a namespace of functions and web_search, which nothing here runs
+    # (left out: the prompt is the one without it)
+    space = {
+        "type": "namespace",
+        "name": "agents",
+        "description": "Sub-agents",
+        "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}],
+    }
+    plain = client.responses.create(model=MODEL, input="hi", tools=[fn, space],
+                                    max_output_tokens=2, temperature=0)  # fmt: skip
+    searching = client.responses.create(
+        model=MODEL, input="hi", tools=[fn, space, {"type": "web_search"}], max_output_tokens=2,
+        temperature=0,
+    )  # fmt: skip
+    assert searching.usage.input_tokens == plain.usage.input_tokens
+    assert searching.output_text == plain.output_text
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="x", reasoning={"effort": "extreme"})
     assert info.value.body["param"] == "reasoning.effort", info.value.body

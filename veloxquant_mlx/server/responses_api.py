@@ -3,19 +3,17 @@
 ``previous_response_id`` continues a stored response's conversation (``response_store``): the
 route passes its messages before the request's own. Text input only. ``reasoning`` items a
 client resends (Codex does, every turn) are read and left out of the prompt, as chat
-templates leave earlier turns' reasoning out. A ``custom`` tool (free-text input, Codex's
-``apply_patch``) is a function of one string, ``input``, to the model; its calls come back as
-``custom_tool_call`` items (``custom_call``).
+templates leave earlier turns' reasoning out. Tools: ``responses_tools``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.responses_tools import ToolSet
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, Finite, KVFormat, Text
 
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -62,8 +60,9 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, code="invalid_value", param=param)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as chat messages (its ``instructions`` not among them).
+def input_messages(req: ResponsesRequest, tools: ToolSet) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (its ``instructions`` not among them);
+    ``tools``: the request's (``ToolSet.of(req.tools)``), which name the calls.
 
     Raises:
         APIError: 400 for an item this server does not read.
@@ -80,15 +79,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise _bad(f"{where}.role must be user, assistant, system or developer", where)
             messages.append({"role": role, "content": _content_text(item.get("content"), where)})
         elif kind in ("function_call", "custom_tool_call"):
-            if kind == "function_call":
-                arguments = item.get("arguments", "{}")
-            else:
-                arguments = json.dumps({CUSTOM_INPUT: item.get("input", "")})
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": arguments},
-            }
+            call = tools.chat_call(item)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -108,74 +99,15 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-# A custom tool's one parameter, as the model sees it
-CUSTOM_INPUT = "input"
-
-
-def custom_tools(req: ResponsesRequest) -> frozenset[str]:
-    """The names of the request's ``custom`` tools."""
-    return frozenset(str(t.get("name")) for t in req.tools or () if t.get("type") == "custom")
-
-
-def custom_call(call: dict[str, Any]) -> str:
-    """A call to a custom tool: the text its ``input`` argument holds (the arguments as
-    written, when the model wrote something else)."""
-    arguments = call["function"]["arguments"]
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return str(arguments)
-    if isinstance(parsed, dict) and isinstance(parsed.get(CUSTOM_INPUT), str):
-        return str(parsed[CUSTOM_INPUT])
-    return str(arguments)
-
-
-def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    """A custom tool as the function the model is shown: one string parameter; its input's
-    grammar (``format``), if any, in the description (shown, not enforced)."""
-    if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise _bad("a custom tool needs a name", where)
-    description = tool.get("description") or ""
-    fmt = tool.get("format") or {}
-    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-        syntax = fmt.get("syntax", "lark")
-        description += f"\n\nThe input follows this {syntax} grammar:\n{fmt['definition']}"
-    parameters = {
-        "type": "object",
-        "properties": {CUSTOM_INPUT: {"type": "string"}},
-        "required": [CUSTOM_INPUT],
-        "additionalProperties": False,
-    }
-    return {"name": tool["name"], "description": description.strip(), "parameters": parameters}
-
-
-def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
-    if req.tools is None:
-        return None
-    out = []
-    for i, tool in enumerate(req.tools):
-        if tool.get("type") == "custom":
-            out.append({"type": "function", "function": _custom_function(tool, f"tools.{i}")})
-            continue
-        if tool.get("type") != "function":
-            raise _bad(
-                f"only function and custom tools are supported (got '{tool.get('type')}': "
-                "tools that run on the provider's side have nothing to run them here)",
-                f"tools.{i}",
-            )
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(req: ResponsesRequest) -> Any:
+def _tool_choice(req: ResponsesRequest, tools: ToolSet) -> Any:
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") not in ("function", "custom") or not isinstance(
             choice.get("name"), str
         ):
             raise _bad("tool_choice must name a tool: {type: function, name}", "tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        name = tools.model_name(choice["name"], choice.get("namespace"))
+        return {"type": "function", "function": {"name": name}}
     return choice
 
 
@@ -191,7 +123,7 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}
 
 
-def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def output_messages(output: list[dict[str, Any]], tools: ToolSet) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a next turn resends: its text and tool
     calls as one assistant message (reasoning is not resent, as chat templates drop it)."""
     text = "".join(
@@ -200,14 +132,8 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item.get("type") == "message"
         for part in item.get("content") or ()
     )
-    calls = [
-        {"id": item["call_id"], "type": "function",
-         "function": {"name": item["name"], "arguments": item["arguments"]}}
-        if item["type"] == "function_call" else
-        {"id": item["call_id"], "type": "function",
-         "function": {"name": item["name"], "arguments": json.dumps({CUSTOM_INPUT: item["input"]})}}
-        for item in output if item.get("type") in ("function_call", "custom_tool_call")
-    ]  # fmt: skip
+    calls = [tools.chat_call(item) for item in output
+             if item.get("type") in ("function_call", "custom_tool_call")]  # fmt: skip
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
@@ -215,11 +141,11 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def to_chat(
-    req: ResponsesRequest, conversation: list[dict[str, Any]] | None = None
+    req: ResponsesRequest, tools: ToolSet, conversation: list[dict[str, Any]] | None = None
 ) -> ChatCompletionRequest:
-    """The chat request that does what ``req`` asks; ``conversation``: its messages after
-    its instructions (default: its input's, ``input_messages``; a continued conversation's
-    come first).
+    """The chat request that does what ``req`` asks; ``tools``: its tools
+    (``ToolSet.of(req.tools)``); ``conversation``: its messages after its instructions
+    (default: its input's, ``input_messages``; a continued conversation's come first).
 
     Raises:
         APIError: 400 for what the Responses API allows and this server does not do.
@@ -227,12 +153,15 @@ def to_chat(
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": [*system, *(input_messages(req) if conversation is None else conversation)],
+        "messages": [
+            *system,
+            *(input_messages(req, tools) if conversation is None else conversation),
+        ],
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "tools": _tools(req),
-        "tool_choice": _tool_choice(req),
+        "tools": tools.functions,
+        "tool_choice": _tool_choice(req, tools),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
         "reasoning_effort": (req.reasoning or {}).get("effort"),

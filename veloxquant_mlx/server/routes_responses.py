@@ -4,6 +4,7 @@ streamed with the documented event sequence."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,16 +21,16 @@ from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batc
 from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.responses_api import (
     ResponsesRequest,
-    custom_call,
-    custom_tools,
     input_messages,
     output_messages,
     to_chat,
 )
+from veloxquant_mlx.server.responses_tools import ToolSet
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.tools import ToolCallSplitter
 
+log = logging.getLogger("veloxquant.server")
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
 # The chat fields a Responses request's are translated to, named back as the client wrote them.
@@ -51,7 +52,7 @@ class Built:
     model: str
     stored: bool = False  # kept for previous_response_id (``store`` and --responses-store)
     inputs: list[dict[str, Any]] = field(default_factory=list)  # its input as chat messages
-    custom: frozenset[str] = frozenset()  # its custom tools' names
+    tools: ToolSet = field(default_factory=ToolSet)  # its tools, which name the calls
     id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -75,23 +76,7 @@ class Built:
         }
 
     def call_item(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-        if call["function"]["name"] in self.custom:
-            return {
-                "type": "custom_tool_call",
-                "id": _id("ctc"),
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "input": custom_call(call),
-                "status": status,
-            }
-        return {
-            "type": "function_call",
-            "id": _id("fc"),
-            "call_id": call["id"],
-            "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"],
-            "status": status,
-        }
+        return self.tools.item(call, status)
 
     def json(self, status: str, finish: FinishEvent | None) -> dict[str, Any]:
         req = self.req
@@ -149,7 +134,7 @@ def _earlier(st: AppState, req: ResponsesRequest) -> list[dict[str, Any]] | None
 def _store(st: AppState, built: Built, result: dict[str, Any]) -> None:
     """Keep a finished response for ``previous_response_id``, if it is to be stored."""
     if built.stored:
-        turn = [*built.inputs, *output_messages(built.output)]
+        turn = [*built.inputs, *output_messages(built.output, built.tools)]
         st.responses.put(result, turn, built.req.previous_response_id)
 
 
@@ -172,15 +157,19 @@ async def delete_response(response_id: str, request: Request) -> Any:
 async def responses(req: ResponsesRequest, request: Request) -> Any:
     st = state(request)
     arrived = time.monotonic()
-    inputs = input_messages(req)
-    body = to_chat(req, [*(_earlier(st, req) or ()), *inputs])
+    tools = ToolSet.of(req.tools)
+    if tools.left_out:
+        log.info("responses: tools of types %s left out (nothing here runs them)",
+                 ", ".join(sorted(set(tools.left_out))))  # fmt: skip
+    inputs = input_messages(req, tools)
+    body = to_chat(req, tools, [*(_earlier(st, req) or ()), *inputs])
     try:
         prepared = await prepare_chat(st, body)
     except APIError as exc:
         exc.param = _RESPONSES_PARAM.get(exc.param or "", exc.param)
         raise
     stored = req.store is not False and st.responses.capacity > 0
-    built = Built(req, st.model_name, stored, inputs, custom=custom_tools(req))
+    built = Built(req, st.model_name, stored, inputs, tools)
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     reasoner = prepared.reasoners[0]
     if req.stream:
