@@ -1,0 +1,89 @@
+"""OpenAI's Codex CLI (``codex exec``, from ``tests/compat/codex``) against the server's
+Responses API: run when ``node`` and ``npm`` are present (installed there once, from the lock
+file). Codex sends what no SDK test does: its ~24k-token prompt, function, custom and namespace
+tools, ``web_search`` (left out here), ``store: false`` and the whole history every turn. The
+random-weight model never ends its answer, so each turn stops at the server's
+``--default-max-tokens`` and Codex reports it incomplete (as it would OpenAI's); what is
+checked is that the answer arrived and that the next turn (``exec resume``) is read from the
+prefix cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import TOOL_TEMPLATE, Server, start_server, stop_server
+
+CODEX_DIR = Path(__file__).resolve().parent / "codex"
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("node") and shutil.which("npm")), reason="no node/npm"
+)
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
+    """The embedded model with the tool template and a context that holds Codex's prompt
+    (its 2,048-token vocabulary makes that prompt ~24k tokens)."""
+    model = tmp_path_factory.mktemp("codex-model") / "codex-tiny"
+    shutil.copytree(default_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 65536
+    (model / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = TOOL_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(
+        tmp_path_factory.mktemp("codex"), "--model", str(model), "--model-aliases", "*",
+        "--default-max-tokens", "8", "--kv-cache-mb", "512",
+    )  # fmt: skip
+    yield srv
+    srv.wait_pool_free()
+    assert stop_server(srv) == 0, srv.log()
+
+
+def codex(server: Server, home: Path, *args: str) -> list[dict]:
+    provider = (f'model_providers.vq={{name="vq",base_url="{server.base_url}/v1",'
+                'wire_api="responses",env_key="VQ_TEST_KEY"}')  # fmt: skip
+    run = subprocess.run(
+        [str(CODEX_DIR / "node_modules" / ".bin" / "codex"), "exec", "--json",
+         "--skip-git-repo-check", "-c", "model_provider=vq", "-c", provider,
+         "-m", "codex-tiny", *args],
+        cwd=home, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        env={**os.environ, "CODEX_HOME": str(home), "VQ_TEST_KEY": "x"},
+    )  # fmt: skip
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert events, run.stdout[-2000:] + run.stderr[-2000:]
+    return events
+
+
+def test_codex_turns_over_the_responses_api(long_server, tmp_path):
+    if not (CODEX_DIR / "node_modules" / ".bin" / "codex").exists():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
+            cwd=CODEX_DIR, check=True, timeout=600,
+        )  # fmt: skip
+    for turn, args in enumerate((["say hi"], ["resume", "--last", "again"])):
+        events = codex(long_server, tmp_path, *args)
+        messages = [e["item"]["text"] for e in events
+                    if e.get("type") == "item.completed"
+                    and e["item"].get("type") == "agent_message"]  # fmt: skip
+        failures = [json.dumps(e) for e in events if e.get("type") in ("turn.failed", "error")]
+        assert messages and messages[-1], events  # the answer arrived
+        # and it ended where the server's --default-max-tokens cut it, nowhere else
+        assert all("max_output_tokens" in f for f in failures), failures
+        lines = [ln for ln in long_server.log().splitlines() if "POST /v1/responses" in ln]
+        assert len(lines) == turn + 1 and " 200 " in lines[-1], lines
+        prompt, cached = (int(re.search(f" {k}=(\\d+)", lines[-1]).group(1))  # type: ignore[union-attr]
+                          for k in ("prompt", "cached"))  # fmt: skip
+        assert prompt > 10_000  # Codex's own prompt, its tools and the turn
+        if turn:  # the resumed turn is the first one's prompt and answer, cached
+            assert cached >= prompt - 64, lines[-1]
+    assert "tools of types web_search left out" in long_server.log()
