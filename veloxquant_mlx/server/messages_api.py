@@ -139,7 +139,9 @@ Block = Annotated[
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    # "system": an instruction at its place in the conversation (Claude Code sends one after
+    # the first user message)
+    role: Literal["user", "assistant", "system"]
     content: StrictStr | list[Block]
 
 
@@ -166,8 +168,11 @@ class JSONOutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # effort: no such knob here
+    model_config = ConfigDict(extra="ignore")
     format: JSONOutputFormat | None = None
+    # low, medium, high: the template's (OpenAI's reasoning_effort); another (max, a newer
+    # level) leaves the template's default
+    effort: StrictStr | None = None
 
 
 class ThinkingConfig(BaseModel):
@@ -231,6 +236,9 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, A
         blocks: list[Any] = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )
+        if m.role == "system":
+            out.append({"role": "system", "content": _text(blocks)})
+            continue
         if m.role == "assistant":
             calls = [
                 {"id": b.id, "type": "function",
@@ -282,6 +290,9 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
             on = req.thinking.type == "enabled"  # the template's switch, by its common names
             body["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
+        effort = req.output_config.effort if req.output_config is not None else None
+        if effort in ("low", "medium", "high"):
+            body["reasoning_effort"] = effort
         fmt = (req.output_config and req.output_config.format) or req.output_format
         if fmt is not None:  # enforced by the chat path's grammar, beside any tools
             schema = {"name": "output", "schema": fmt.schema_, "strict": True}

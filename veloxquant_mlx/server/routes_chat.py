@@ -34,6 +34,7 @@ from veloxquant_mlx.server.submission import (
 )
 from veloxquant_mlx.server.tools import (
     ToolCallSplitter,
+    render_template,
     splitter_for,
     strict_calls_grammar,
     template_messages,
@@ -68,10 +69,7 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     variables = {**effort_variables(body.reasoning_effort), **(body.chat_template_kwargs or {})}
 
     def template(conversation: list[dict[str, Any]]) -> str:
-        return tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=True, tokenize=False,
-            **variables,
-        )  # type: ignore[no-any-return]  # fmt: skip
+        return str(render_template(tokenizer, conversation, tools, variables))
 
     def render() -> tuple[str, list[int], str | None]:
         # The answers this conversation resends, as the model generated them (server.answers):

@@ -26,12 +26,17 @@ from veloxquant_mlx.server.messages_api import (
     to_chat,
     tool_use,
 )
-from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
+from veloxquant_mlx.server.reasoning import ReasoningSplitter, effort_variables, think_then_split
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.submission import check_model
-from veloxquant_mlx.server.tools import ToolCallSplitter, template_messages, template_tools
+from veloxquant_mlx.server.tools import (
+    ToolCallSplitter,
+    render_template,
+    template_messages,
+    template_tools,
+)
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
 
@@ -179,8 +184,10 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> Any:
 
     def count() -> int:
         tools = template_tools(body, tokenizer)
-        rendered = tokenizer.apply_chat_template(
-            template_messages(body), tools=tools, add_generation_prompt=True
+        variables = {**effort_variables(body.reasoning_effort),
+                     **(body.chat_template_kwargs or {})}  # fmt: skip
+        rendered = render_template(
+            tokenizer, template_messages(body), tools, variables, tokenize=True
         )
         return len(rendered)
 

@@ -50,6 +50,60 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with each system (or developer) message after the first message
+    folded into a user message, for templates that allow a system message only first (Gemma's,
+    Mistral's): appended to the user message right before it, else put before the one right
+    after it, else a user message of its own. None when there is none to fold."""
+    late = [i for i, m in enumerate(messages) if i and m["role"] in ("system", "developer")]
+    if not late:
+        return None
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []  # folded text waiting for the next user message
+    for i, m in enumerate(messages):
+        text = m.get("content") or ""
+        if i in late:
+            if out and out[-1]["role"] == "user" and not pending:
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{text}"}
+            else:
+                pending.append(text)
+            continue
+        if pending and m["role"] == "user":
+            m = {**m, "content": "\n\n".join([*pending, m.get("content") or ""])}
+            pending = []
+        elif pending:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+            pending = []
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
+def render_template(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    variables: dict[str, Any],
+    tokenize: bool = False,
+) -> Any:
+    """The model's chat template over ``conversation`` with the generation prompt: its text
+    (or tokens); late system messages folded (``fold_late_system``) for a template that
+    rejects them. Raises what the template raises."""
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tools=tools, add_generation_prompt=True, tokenize=tokenize,
+            **variables,
+        )  # fmt: skip
+    except Exception:
+        folded = fold_late_system(conversation)
+        if folded is None:
+            raise
+        return tokenizer.apply_chat_template(
+            folded, tools=tools, add_generation_prompt=True, tokenize=tokenize, **variables
+        )
+
+
 def template_tools(body: ChatCompletionRequest, tokenizer: Any) -> list[dict[str, Any]] | None:
     """The tools to render into the prompt (None: no tools, or ``tool_choice`` "none").
 
