@@ -68,7 +68,15 @@ async def test_every_request_gets_one_line_with_status_id_and_tokens(client_for,
         f"cached={lines[0]['cached_tokens']} ttft={lines[0]['ttft_ms']:.1f} ms "
         f"finish={lines[0]['finish']}"
     )
-    assert text[3].endswith("prompt=0 completion=0 cached=0 ttft=- finish=-")
+    assert text[3].endswith(
+        "prompt=0 completion=0 cached=0 ttft=- finish=- error='not_found: no such endpoint'"
+    )
+    # why a request failed, as its client was told; none where it did not
+    assert [x["error"] for x in lines] == [
+        None, None, lines[2]["error"], "not_found: no such endpoint",
+        "invalid_value: top_p: Input should be less than or equal to 1",
+    ]  # fmt: skip
+    assert lines[2]["error"].startswith(("invalid_api_key: ", "401: "))
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 

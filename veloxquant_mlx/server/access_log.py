@@ -7,7 +7,9 @@ engine requests a route submits are noted in ``HANDLES`` (a context variable the
 sets for the request), so the line carries their prompt, completion and cached tokens once they
 end, and the time from the request's arrival to the first token the engine made for it
 (``ttft``: templating, tokenizing, queueing and prefill; not the network's part), and how
-they ended (``finish``: ``stop``, ``length``, ``cancelled`` when the client went away, ``error``).
+they ended (``finish``: ``stop``, ``length``, ``cancelled`` when the client went away, ``error``),
+and, for a request answered with an error, its code and message (``error``: what the client
+was told, so an operator sees why a client's requests fail without its logs).
 A client that goes away mid-stream ends the route before the engine has ended its requests: the
 line then waits for their ends (at most ``SETTLE_S``; the client is gone, nobody waits on it), so
 it counts the tokens made until then. Under ``--log-format json`` the fields are the line's own
@@ -33,6 +35,19 @@ HANDLES: ContextVar[list[Any] | None] = ContextVar("vq_request_handles", default
 SETTLE_S = 2.0
 
 
+# The error answers of the HTTP request being served: "code: message" (the error handlers').
+ERRORS: ContextVar[list[str] | None] = ContextVar("vq_request_errors", default=None)
+# An error's message is cut to this many characters in the line
+ERROR_CHARS = 300
+
+
+def note_error(code: str, message: str) -> None:
+    """Show the error the current request is answered with in its access line."""
+    noted = ERRORS.get()
+    if noted is not None:
+        noted.append(f"{code}: {message[:ERROR_CHARS]}")
+
+
 def note_handles(handles: list[Any]) -> None:
     """Count ``handles``' tokens in the current request's access line."""
     noted = HANDLES.get()
@@ -51,7 +66,8 @@ class AccessLog:
         started = time.monotonic()
         seen: dict[str, Any] = {"status": 0, "id": ""}
         handles: list[Any] = []
-        token = HANDLES.set(handles)
+        errors: list[str] = []
+        token, error_token = HANDLES.set(handles), ERRORS.set(errors)
 
         async def watched(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -65,15 +81,21 @@ class AccessLog:
             await self.app(scope, receive, watched)
         finally:
             HANDLES.reset(token)
+            ERRORS.reset(error_token)
             seconds = time.monotonic() - started
             try:
                 await _settle(handles)
             finally:
-                self._line(scope, seen, handles, started, seconds)
+                self._line(scope, seen, handles, started, seconds, errors)
 
     @staticmethod
     def _line(
-        scope: Scope, seen: dict[str, Any], handles: list[Any], started: float, seconds: float
+        scope: Scope,
+        seen: dict[str, Any],
+        handles: list[Any],
+        started: float,
+        seconds: float,
+        errors: list[str],
     ) -> None:
         finishes = [h.finish for h in handles if h.finish is not None]
         firsts = [h.first_token_at for h in handles if h.first_token_at is not None]
@@ -90,14 +112,17 @@ class AccessLog:
             "ttft_ms": round(max(0.0, min(firsts) - started) * 1e3, 1) if firsts else None,
             # how its engine requests ended, each reason once in order (None: no request)
             "finish": ",".join(dict.fromkeys(f.finish_reason for f in finishes)) or None,
+            # the error the request was answered with (None: none)
+            "error": errors[-1] if errors else None,
         }
-        *shown, ttft_ms, finish = fields.values()
+        *shown, ttft_ms, finish, error = fields.values()
         ttft = "-" if ttft_ms is None else f"{ttft_ms:.1f} ms"
         log.info(
-            "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s finish=%s",
+            "%s %s %d %.1f ms id=%s prompt=%d completion=%d cached=%d ttft=%s finish=%s%s",
             *shown,
             ttft,
             finish or "-",
+            "" if error is None else f" error={error!r}",
             extra={"fields": fields},
         )
 

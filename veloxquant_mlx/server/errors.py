@@ -22,6 +22,7 @@ from veloxquant_mlx.engine.types import (
     RequestTooLargeError,
     rejection_of,
 )
+from veloxquant_mlx.server.access_log import note_error
 
 log = logging.getLogger("veloxquant.server")
 
@@ -108,13 +109,16 @@ def speaks_anthropic(path: str) -> bool:
 
 
 def error_response(err: APIError, path: str = "") -> JSONResponse:
-    """``err`` in OpenAI's shape, or Anthropic's on the Messages API's paths."""
+    """``err`` in OpenAI's shape, or Anthropic's on the Messages API's paths; noted for the
+    request's access-log line."""
     body = error_body(err.status, err.message, err.code, err.param)
+    message = err.message
     if speaks_anthropic(path):
         from veloxquant_mlx.server.messages_api import anthropic_error, context_message
 
         message = err.message if err.context is None else context_message(*err.context)
         body = anthropic_error(err.status, message)
+    note_error(err.code or str(err.status), message)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from veloxquant_mlx.server.access_log import note_error
 from veloxquant_mlx.server.errors import error_body, speaks_anthropic
 from veloxquant_mlx.server.messages_api import anthropic_error
 
@@ -26,6 +27,7 @@ async def send_error(
     path: str = "",
 ) -> None:
     """A complete JSON error response in OpenAI's shape (Anthropic's on its API's ``path``)."""
+    note_error(code or str(status), message)
     shaped = error_body(status, message, code)
     if speaks_anthropic(path):
         shaped = anthropic_error(status, message)
