@@ -6,8 +6,10 @@
 First the element cost of ``mx.exp`` and ``mx.power(2, x)`` (ns an element, 2M float32), then
 one forward of each model: ``new`` tokens over ``cached`` tokens already in stock mlx_lm
 caches, with mlx_lm's attention (``mx.fast.scaled_dot_product_attention``) and with
-``kv.chunk_attention.grouped_attention`` (``--attention-softmax exp2``, the CPU default),
-alternating, the median of ``--repeats``. ``new`` = 1 is a decode step. Prints a Markdown table.
+``kv.chunk_attention.grouped_attention`` with the softmax as powers of two by MLX
+(``--attention-softmax exp2``) and by numpy on the host (``host``, the CPU default for prefill
+chunks; a decode step keeps MLX's), alternating, the median of ``--repeats``. ``new`` = 1 is a
+decode step. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ def element_costs(repeats: int) -> tuple[float, float]:
     )
 
 
-def forward_ms(model: Any, cached: int, new: int, repeats: int, exp2: bool) -> float:
+def forward_ms(model: Any, cached: int, new: int, repeats: int, route: str) -> float:
     """One forward of ``new`` tokens over ``cached`` tokens (stock caches, prefilled in
-    512-token chunks first), attention by MLX's or by ``grouped_attention``."""
+    512-token chunks first), attention by MLX's (``route`` "mlx") or by ``grouped_attention``
+    ("exp2", "host")."""
     import mlx.core as mx
     from mlx_lm.models import base
     from mlx_lm.models.cache import make_prompt_cache
@@ -60,13 +63,13 @@ def forward_ms(model: Any, cached: int, new: int, repeats: int, exp2: bool) -> f
     from veloxquant_mlx.kv.chunk_attention import grouped_attention
 
     def ours(q: Any, k: Any, v: Any, cache: Any, scale: float, mask: Any, sinks: Any = None):
-        return grouped_attention(q, k, v, scale, mask)
+        return grouped_attention(q, k, v, scale, mask, True, route == "host")
 
     module = __import__(type(model).__module__, fromlist=["x"])
     original = base.scaled_dot_product_attention
     times = []
     try:
-        module.scaled_dot_product_attention = ours if exp2 else original
+        module.scaled_dot_product_attention = original if route == "mlx" else ours
         for _ in range(repeats):
             cache = make_prompt_cache(model)
             prompt = mx.array([[5] * cached])
@@ -95,18 +98,19 @@ def main() -> None:
     device = mx.default_device()
     print(f"mx.exp {exp_ns:.1f} ns an element, mx.power(2, x) {pow_ns:.1f} ns ({device})")
     print()
-    print("| model | cached | new | MLX's attention ms | exp2 ms | exp2 speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | cached | new | MLX's attention ms | exp2 ms | host ms | exp2 speed-up | "
+          "host speed-up |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     work = Path(tempfile.mkdtemp(prefix="vq-softmax-"))
     try:
         for name in args.models.split(","):
             model, _ = load(str(model_dir(name, work)))
             for cached in (int(c) for c in args.cached.split(",")):
                 for new in (int(n) for n in args.new.split(",")):
-                    stock = forward_ms(model, cached, new, args.repeats, exp2=False)
-                    ours = forward_ms(model, cached, new, args.repeats, exp2=True)
-                    print(f"| {name} | {cached} | {new} | {stock:.1f} | {ours:.1f} | "
-                          f"{stock / ours:.2f}x |")  # fmt: skip
+                    stock, exp2, host = (forward_ms(model, cached, new, args.repeats, route)
+                                         for route in ("mlx", "exp2", "host"))  # fmt: skip
+                    print(f"| {name} | {cached} | {new} | {stock:.1f} | {exp2:.1f} | "
+                          f"{host:.1f} | {stock / exp2:.2f}x | {stock / host:.2f}x |")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -69,6 +69,11 @@ def test_auto_is_mlx_own_on_a_cpu_and_bad_modes_are_refused():
 def test_the_exp2_softmax_is_auto_on_a_cpu_only_and_can_be_chosen():
     assert attention.choose("auto", gpu=False).exp2
     assert not attention.choose("auto", gpu=True).exp2
+    # a CPU's prefill chunks take it on the host; decode steps keep MLX's powers
+    assert attention.choose("auto", gpu=False).prefill_route == "host"
+    assert attention.choose("auto", gpu=False, softmax="exp2").prefill_route == "exp2"
+    assert attention.choose("matmul", gpu=True, softmax="host").prefill_route == "host"
+    assert attention.choose("auto", gpu=True).prefill_route is None
     assert attention.choose("matmul", gpu=True, softmax="exp2").exp2
     assert not attention.choose("sdpa", gpu=False, softmax="exp").exp2
     with pytest.raises(ValueError, match="attention softmax must be one of"):
@@ -85,7 +90,7 @@ def test_prefill_by_buckets_is_auto_on_cuda_only_and_matmul_can_be_chosen():
     metal = attention.choose("auto", gpu=True, cuda=False)
     assert not metal.prefill_matmul and metal.prefill_route is None
     cpu = attention.choose("auto", gpu=False)
-    assert not cpu.prefill_matmul and cpu.prefill_route == "exp2"
+    assert not cpu.prefill_matmul and cpu.prefill_route == "host"
     assert attention.choose("auto", gpu=True, cuda=False, prefill="matmul").prefill_route == "exp"
     assert attention.choose("sdpa", gpu=False, softmax="exp", prefill="sdpa").prefill_route is None
     with pytest.raises(ValueError, match="prefill attention must be one of"):
@@ -150,14 +155,17 @@ def prefill_qkv(n_q: int, n_heads: int, n_kv: int, length: int, rows: int = 2, d
     )
 
 
-@pytest.mark.parametrize("exp2", [True, False])
+@pytest.mark.parametrize("softmax", ["exp", "exp2", "host"])
 @pytest.mark.parametrize(("n_heads", "n_kv"), [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize(("n_q", "length"), [(1, 1), (1, 37), (7, 7), (9, 60)])
 def test_grouped_attention_equals_mlx_attention_under_every_mask_kind(
-    n_heads, n_kv, n_q, length, exp2
+    n_heads, n_kv, n_q, length, softmax, monkeypatch
 ):
     """No mask, "causal" (the queries are the last ``n_q`` positions), a bool mask per row, an
-    additive one, and one per query head; what MLX's own gives, to float32 rounding."""
+    additive one, and one per query head; what MLX's own gives, to float32 rounding, with
+    MLX's softmax, the exp2 one and the exp2 one by numpy (``host``, here at any size)."""
+    monkeypatch.setattr(chunk_attention, "HOST_MIN_SCORES", 0)
+    exp2, host = softmax != "exp", softmax == "host"
     q, k, v = prefill_qkv(n_q, n_heads, n_kv, length)
     scale = 16**-0.5
     cols = mx.arange(length)[None, :]
@@ -171,7 +179,7 @@ def test_grouped_attention_equals_mlx_attention_under_every_mask_kind(
     ) | (cols[None, None] == 0)
     masks: list = [None, "causal", per_row, mx.where(per_row, 0.0, -mx.inf), per_head]
     for mask in masks:
-        ours = chunk_attention.grouped_attention(q, k, v, scale, mask, exp2)
+        ours = chunk_attention.grouped_attention(q, k, v, scale, mask, exp2, host)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         assert ours.shape == theirs.shape == (2, n_heads, n_q, 16)
         assert mx.allclose(ours, theirs, atol=1e-5).item(), mask
@@ -191,15 +199,17 @@ def test_grouped_attention_takes_a_long_chunk_in_pieces_of_queries(monkeypatch):
         assert mx.allclose(pieces, theirs, atol=1e-5).item()
 
 
-def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
+@pytest.mark.parametrize("host", [False, True])
+def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan(host, monkeypatch):
     """A left-padded row's padding queries see no position (prefill of several prompts in one
     forward): their output is 0, so no NaN reaches V's padding; the other queries' output is
     MLX's."""
+    monkeypatch.setattr(chunk_attention, "HOST_MIN_SCORES", 0)
     q, k, v = prefill_qkv(3, 4, 2, 3)
     for dtype in (mx.float32, mx.float16):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
         mask = mx.array([[True, False, False], [False, False, False], [True, True, True]])
-        ours = chunk_attention.grouped_attention(q, k, v, 0.25, mask[None, None])
+        ours = chunk_attention.grouped_attention(q, k, v, 0.25, mask[None, None], True, host)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask[None, None])
         assert not mx.isnan(ours).any().item()
         assert (ours[:, :, 1] == 0).all().item()
@@ -207,9 +217,11 @@ def test_grouped_attention_gives_a_query_that_sees_nothing_zeros_not_nan():
         assert mx.allclose(ours[:, :, seen], theirs[:, :, seen], atol=2e-3).item()
 
 
-def test_grouped_attention_keeps_a_half_precision_type_and_softmaxes_in_float32():
+@pytest.mark.parametrize("host", [False, True])
+def test_grouped_attention_keeps_a_half_precision_type_and_softmaxes_in_float32(host, monkeypatch):
+    monkeypatch.setattr(chunk_attention, "HOST_MIN_SCORES", 0)
     q, k, v = (a.astype(mx.float16) for a in prefill_qkv(5, 4, 2, 30))
-    ours = chunk_attention.grouped_attention(q, k, v, 0.25, "causal")
+    ours = chunk_attention.grouped_attention(q, k, v, 0.25, "causal", True, host)
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert ours.dtype == mx.float16
     assert mx.allclose(ours.astype(mx.float32), theirs.astype(mx.float32), atol=2e-3).item()
@@ -229,7 +241,7 @@ def test_a_step_attends_by_matmul_from_its_layouts_fewest_rows():
     assert not DenseKV(1, ragged=RaggedAttention("sdpa")).step_batch(list(range(64))).matmul
     assert not PagedKV(1, 16, 8, RaggedAttention("matmul", 32)).step_batch([3, 9]).matmul
     assert attention.choose("auto", gpu=True) == RaggedAttention("matmul", 32)
-    assert attention.choose("auto", gpu=False) == RaggedAttention("sdpa", exp2=True)
+    assert attention.choose("auto", gpu=False) == RaggedAttention("sdpa", exp2=True, host=True)
     assert attention.choose("matmul").min_rows == 1
     assert kv.ragged.label == "matmul>=32"  # what /metrics labels build_info with
     assert RaggedAttention("matmul").label == "matmul"

@@ -21,8 +21,12 @@ queries (a KV head's query heads as the rows of one product), for two costs MLX'
   tokens over 2,000 cached, tiny model) spends three quarters of its forward in the softmax's
   ``exp``. With ``exp2`` the softmax is taken as powers of two (the query scaled by
   ``log2(e)``) and normalised after the product with V (a pass over ``[queries, keys]`` fewer);
-  ``--attention-softmax auto`` takes it on a CPU, for the engine's prefill chunks and decode
-  steps (1.2-1.5x that forward at 1,000-2,000 cached tokens; BENCHMARKS.md).
+  ``--attention-softmax exp2`` takes it for the engine's prefill chunks and decode steps
+  (1.2-1.5x that forward at 1,000-2,000 cached tokens; BENCHMARKS.md). ``host`` (``auto`` on
+  a CPU) also takes a prefill chunk's softmax to numpy once its scores are made (numpy's
+  ``exp2`` is ~20x MLX's ``power`` here; the chunk's layer waits for its scores, a CPU's
+  forward runs in order anyway); decode steps keep ``exp2`` (a step's scores are few, and its
+  forward may be compiled).
 - On CUDA, MLX hands a prefill chunk's causal attention to cuDNN, which builds a graph for
   every new shape: 53-70 ms the first time a (chunk, keys) shape is met, 0.3 ms after, on an
   H200. An agent's every turn is a new shape (its new tokens over its whole context), so each
@@ -58,7 +62,7 @@ from veloxquant_mlx.kv.chunk_attention import bucketed_attention, grouped_attent
 from veloxquant_mlx.kv.step import StepCache
 
 MODES = ("auto", "sdpa", "matmul")
-SOFTMAXES = ("auto", "exp", "exp2")
+SOFTMAXES = ("auto", "exp", "exp2", "host")
 PREFILLS = ("auto", "sdpa", "matmul", "buckets")
 # On CUDA a prefill's width (its tokens) is padded to a multiple of this: cuBLAS plans every
 # product per shape, 4-5 ms the first time a width is met on an H200 (0.16 ms after), and an
@@ -81,16 +85,20 @@ class RaggedAttention:
     mode: str = "sdpa"
     min_rows: int = 1
     exp2: bool = False
+    host: bool = False  # prefill chunks' softmax by numpy (exp2 on the host)
     prefill_matmul: bool = False
     prefill_bucket: int = 0  # prefill widths padded to a multiple of this (0: not padded)
     prefill_buckets: bool = False  # prefill chunks by MLX's attention over bucketed keys
 
     @property
     def prefill_route(self) -> str | None:
-        """How the engine's prefill caches attend (``vq_route``): "exp2", "buckets"
-        (``bucketed_attention``), "exp" (grouped, MLX's softmax) or None (MLX's attention)."""
+        """How the engine's prefill caches attend (``vq_route``): "host" (exp2, the powers
+        by numpy), "exp2", "buckets" (``bucketed_attention``), "exp" (grouped, MLX's softmax)
+        or None (MLX's attention)."""
         if self.prefill_buckets:  # CUDA or asked for: before the CPU's exp2
             return "buckets"
+        if self.host:
+            return "host"
         if self.exp2:
             return "exp2"
         return "exp" if self.prefill_matmul else None
@@ -138,7 +146,8 @@ def choose(
     on_gpu = mx.default_device() == mx.gpu if gpu is None else gpu
     if cuda is None:
         cuda = on_gpu and cuda_available()
-    exp2 = softmax == "exp2" or (softmax == "auto" and not on_gpu)
+    host = softmax == "host" or (softmax == "auto" and not on_gpu)
+    exp2 = host or softmax == "exp2"
     prefill_matmul = prefill == "matmul"
     buckets = prefill == "buckets" or (prefill == "auto" and cuda)
     if bucket is None:
@@ -146,12 +155,12 @@ def choose(
     if bucket < 0:
         raise ValueError(f"the prefill bucket must be 0 or more, got {bucket}")
     if requested != "auto":
-        return RaggedAttention(requested, 1, exp2, prefill_matmul, bucket, buckets)
+        return RaggedAttention(requested, 1, exp2, host, prefill_matmul, bucket, buckets)
     if on_gpu:
         return RaggedAttention(
-            "matmul", AUTO_MATMUL_MIN_ROWS, exp2, prefill_matmul, bucket, buckets
+            "matmul", AUTO_MATMUL_MIN_ROWS, exp2, host, prefill_matmul, bucket, buckets
         )
-    return RaggedAttention("sdpa", 1, exp2, prefill_matmul, bucket, buckets)
+    return RaggedAttention("sdpa", 1, exp2, host, prefill_matmul, bucket, buckets)
 
 
 def matmul_attention(
@@ -240,7 +249,8 @@ def _routed(original: Any) -> Any:
         ):
             if route == "buckets":
                 return bucketed_attention(queries, keys, values, scale, mask)
-            return grouped_attention(queries, keys, values, scale, mask, route == "exp2")
+            exp2 = route in ("exp2", "host")
+            return grouped_attention(queries, keys, values, scale, mask, exp2, route == "host")
         return original(queries, keys, values, cache, scale, mask, sinks)
 
     scaled_dot_product_attention._vq_ragged = True  # type: ignore[attr-defined]
