@@ -55,7 +55,7 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | N
     folded into a user message, for templates that allow a system message only first (Gemma's,
     Mistral's): appended to the user message right before it, else put before the one right
     after it, else a user message of its own. None when there is none to fold."""
-    late = [i for i, m in enumerate(messages) if i and m["role"] in ("system", "developer")]
+    late = {i for i, m in enumerate(messages) if i and m["role"] in ("system", "developer")}
     if not late:
         return None
     out: list[dict[str, Any]] = []
