@@ -57,6 +57,7 @@ ERROR_CODES: dict[str, tuple[int, ...]] = {
     "body_too_large": (413,),
     "headers_too_large": (431,),
     "queue_full": (429,),
+    "client_closed_request": (499,),
     "internal_error": (500,),
     "request_failed": (500,),
     "draining": (503,),
@@ -149,6 +150,10 @@ def from_finish(finish: FinishEvent) -> APIError:
     refused = rejection_of(finish)  # decided by an engine in its own process
     if refused is not None:
         return from_engine(refused)
+    if finish.finish_reason == "cancelled" and finish.error is None:
+        # Only the route's own disconnect watcher cancels a request the route still waits on:
+        # its client is gone, and this answer is for the access log (nginx's 499), not for it.
+        return APIError(499, "the client closed the request", code="client_closed_request")
     message = finish.error or "the request was cancelled"
     if finish.error_code == REQUEST_FAILED:
         return APIError(500, message, code=REQUEST_FAILED)
