@@ -174,35 +174,54 @@ def _grouped_mask(mask: mx.array, n_kv: int, rep: int) -> mx.array:
     return m[:, :, None] if m.shape[1] == 1 else m.reshape(m.shape[0], n_kv, rep, *m.shape[2:])
 
 
-def _grouped_exp2(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
-) -> mx.array:
-    """``grouped_attention`` with the softmax as powers of two over float32 scores (the query
-    scaled by log2(e)), normalised after the product with V."""
+def _exp2_scores(queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """The float32 scores in powers of two (the query scaled by log2(e)), in the grouped
+    layout ``[B, H_kv, rep, N, L]``."""
     b, n_heads, n_q, d = queries.shape
     n_kv, length = keys.shape[1], keys.shape[2]
     rep = n_heads // n_kv
     q = (queries * mx.array(scale * LOG2E, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(b, n_kv, rep, n_q, length)
-    if scores.dtype != mx.float32:
-        scores = scores.astype(mx.float32)
-    if mask is not None:
-        m = _grouped_mask(mask, n_kv, rep)
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, mx.array(-float("inf"), scores.dtype))
-        else:
-            scores = scores + (m * LOG2E).astype(scores.dtype)
+    return scores if scores.dtype == mx.float32 else scores.astype(mx.float32)
+
+
+def _exp2_mask(mask: Any, n_kv: int, rep: int) -> mx.array | None:
+    """``mask`` in the grouped layout: bool (True = attend), or additive in powers of two."""
+    if mask is None:
+        return None
+    m = _grouped_mask(mask, n_kv, rep)
+    return m if m.dtype == mx.bool_ else (m * LOG2E).astype(mx.float32)
+
+
+def _exp2_output(weights: mx.array, total: mx.array, values: mx.array) -> mx.array:
+    """The unnormalised ``weights [B, H_kv, rep, N, L]`` times V, over their ``total``
+    (``[..., 1]``, at least 1), as ``[B, H, N, D]`` in V's type."""
+    b, n_kv, rep, n_q, length = weights.shape
+    total = total.reshape(b, n_kv, rep * n_q, 1)
+    weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
+    out = ((weights @ values) / total).astype(values.dtype)
+    return out.reshape(b, n_kv * rep, n_q, values.shape[-1])
+
+
+def _grouped_exp2(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """``grouped_attention`` with the softmax as powers of two over float32 scores (the query
+    scaled by log2(e)), normalised after the product with V."""
+    n_kv = keys.shape[1]
+    scores = _exp2_scores(queries, keys, scale)
+    m = _exp2_mask(mask, n_kv, queries.shape[1] // n_kv)
+    if m is not None and m.dtype == mx.bool_:
+        scores = mx.where(m, scores, mx.array(-float("inf"), scores.dtype))
+    elif m is not None:
+        scores = scores + m
     # A row of padding that sees nothing (several prompts in one left-padded forward): its max
     # is -inf; clamped, its weights are all 0 and its output 0, not NaN (which would reach V's
     # padding). -inf, not the lowest finite value, masks: MLX's CPU power is 3x slower there.
     top = mx.maximum(scores.max(axis=-1, keepdims=True), mx.finfo(mx.float32).min)
-    shifted = scores - top
-    weights = mx.power(mx.array(2.0, mx.float32), shifted)
-    total = weights.sum(axis=-1, keepdims=True).reshape(b, n_kv, rep * n_q, 1)
-    total = mx.maximum(total, 1.0)  # >= 1 wherever a position is seen (the top one's 2^0)
-    weights = weights.reshape(b, n_kv, rep * n_q, length).astype(values.dtype)
-    out = ((weights @ values) / total).astype(values.dtype)
-    return out.reshape(b, n_heads, n_q, values.shape[-1])
+    weights = mx.power(mx.array(2.0, mx.float32), scores - top)
+    total = mx.maximum(weights.sum(axis=-1, keepdims=True), 1.0)  # >= 1: the top one's 2^0
+    return _exp2_output(weights, total, values)
 
 
 def _grouped_host(
@@ -216,36 +235,21 @@ def _grouped_host(
     Cost: one wait for the scores, two host copies of ``[B, H, N, L]`` float32 and five
     numpy passes over it; on this repository's CPU 4x less than MLX's passes (134 queries
     over 1,590 keys, 8 heads: 2.4 against 10.9 ms)."""
-    b, n_heads, n_q, d = queries.shape
-    n_kv, length = keys.shape[1], keys.shape[2]
-    rep = n_heads // n_kv
-    q = (queries * mx.array(scale * LOG2E, queries.dtype)).reshape(b, n_kv, rep * n_q, d)
-    scores = q @ keys.swapaxes(-1, -2)
-    if scores.dtype != mx.float32:
-        scores = scores.astype(mx.float32)
-    host_mask = None
-    if mask is not None:
-        m = _grouped_mask(mask, n_kv, rep)
-        if m.dtype != mx.bool_:
-            m = (m * LOG2E).astype(mx.float32)
-        mx.eval(scores, m)
-        host_mask = np.array(m, copy=False)
-    else:
-        mx.eval(scores)
-    a = np.array(scores).reshape(b, n_kv, rep, n_q, length)  # a copy: numpy's to write
-    if host_mask is not None:
-        if host_mask.dtype == np.bool_:
-            np.copyto(a, -np.inf, where=~host_mask)
-        else:
-            a += host_mask
+    n_kv = keys.shape[1]
+    scores = _exp2_scores(queries, keys, scale)
+    m = _exp2_mask(mask, n_kv, queries.shape[1] // n_kv)
+    mx.eval([scores] if m is None else [scores, m])
+    a = np.array(scores)  # a copy: numpy's to write
+    if m is not None and m.dtype == mx.bool_:
+        np.copyto(a, -np.inf, where=~np.array(m, copy=False))
+    elif m is not None:
+        a += np.array(m, copy=False)
     # as _grouped_exp2: a row that sees nothing gets weights 0 and output 0, not NaN
     top = np.maximum(a.max(axis=-1, keepdims=True), np.finfo(np.float32).min)
     np.subtract(a, top, out=a)
     np.exp2(a, out=a)
     total = np.maximum(a.sum(axis=-1, keepdims=True), np.float32(1.0))
-    weights = mx.array(a.reshape(b, n_kv, rep * n_q, length)).astype(values.dtype)
-    out = (weights @ values) / mx.array(total.reshape(b, n_kv, rep * n_q, 1))
-    return out.astype(values.dtype).reshape(b, n_heads, n_q, values.shape[-1])
+    return _exp2_output(mx.array(a), mx.array(total), values)
 
 
 def _grouped_softmax(

@@ -12,8 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from veloxquant_mlx.server.errors import APIError
-from veloxquant_mlx.server.responses_tools import ToolSet
+from veloxquant_mlx.server.responses_tools import ToolSet, bad_input
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, Finite, KVFormat, Text
 
 _TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -46,18 +45,16 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be text or a list of text parts", f"{where}.content")
+        raise bad_input(f"{where}.content must be text or a list of text parts", f"{where}.content")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _bad(f"only text input is supported (got a '{kind}' part)", f"{where}.content")
+            raise bad_input(
+                f"only text input is supported (got a '{kind}' part)", f"{where}.content"
+            )
         texts.append(part["text"])
     return "".join(texts)
-
-
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, code="invalid_value", param=param)
 
 
 def input_messages(req: ResponsesRequest, tools: ToolSet) -> list[dict[str, Any]]:
@@ -76,7 +73,7 @@ def input_messages(req: ResponsesRequest, tools: ToolSet) -> list[dict[str, Any]
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+                raise bad_input(f"{where}.role must be user, assistant, system or developer", where)
             messages.append({"role": role, "content": _content_text(item.get("content"), where)})
         elif kind in ("function_call", "custom_tool_call"):
             call = tools.chat_call(item)
@@ -95,7 +92,7 @@ def input_messages(req: ResponsesRequest, tools: ToolSet) -> list[dict[str, Any]
                 }
             )
         elif kind != "reasoning":
-            raise _bad(f"input items of type '{kind}' are not supported", where)
+            raise bad_input(f"input items of type '{kind}' are not supported", where)
     return messages
 
 
@@ -105,7 +102,7 @@ def _tool_choice(req: ResponsesRequest, tools: ToolSet) -> Any:
         if choice.get("type") not in ("function", "custom") or not isinstance(
             choice.get("name"), str
         ):
-            raise _bad("tool_choice must name a tool: {type: function, name}", "tool_choice")
+            raise bad_input("tool_choice must name a tool: {type: function, name}", "tool_choice")
         name = tools.model_name(choice["name"], choice.get("namespace"))
         return {"type": "function", "function": {"name": name}}
     return choice
@@ -116,7 +113,7 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _bad("text.format must be an object", "text.format")
+        raise bad_input("text.format must be an object", "text.format")
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
@@ -178,4 +175,4 @@ def to_chat(
         message, param = describe_validation(list(exc.errors()))
         message = message.replace("reasoning_effort", "reasoning.effort")
         param = "reasoning.effort" if param == "reasoning_effort" else param
-        raise _bad(message, param or "input") from None
+        raise bad_input(message, param or "input") from None

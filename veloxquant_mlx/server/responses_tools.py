@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,8 @@ from veloxquant_mlx.server.errors import APIError
 CUSTOM_INPUT = "input"
 
 
-def _bad(message: str, param: str) -> APIError:
+def bad_input(message: str, param: str) -> APIError:
+    """A 400 ``invalid_value`` naming the Responses request's ``param``."""
     return APIError(400, message, code="invalid_value", param=param)
 
 
@@ -68,17 +70,15 @@ class ToolSet:
                 space = _name(tool, where)
                 inner = tool.get("tools")
                 if not isinstance(inner, list) or not inner:
-                    raise _bad("a namespace tool needs a list of tools", f"{where}.tools")
+                    raise bad_input("a namespace tool needs a list of tools", f"{where}.tools")
                 for j, sub in enumerate(inner):
                     if sub.get("type") not in ("function", "custom"):
-                        raise _bad("a namespace holds function and custom tools",
+                        raise bad_input("a namespace holds function and custom tools",
                                    f"{where}.tools.{j}")  # fmt: skip
                     entries.append(_entry(sub, space, f"{where}.tools.{j}"))
             else:
                 left_out.append(str(kind))
-        counts: dict[str, int] = {}
-        for api, _ in entries:
-            counts[api.name] = counts.get(api.name, 0) + 1
+        counts = Counter(api.name for api, _ in entries)
         functions, by_model = [], {}
         for api, fn in entries:
             name = api.name
@@ -130,7 +130,7 @@ class ToolSet:
 def _name(tool: dict[str, Any], where: str) -> str:
     name = tool.get("name")
     if not isinstance(name, str) or not name:
-        raise _bad(f"a {tool.get('type')} tool needs a name", where)
+        raise bad_input(f"a {tool.get('type')} tool needs a name", where)
     return name
 
 

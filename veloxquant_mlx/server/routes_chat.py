@@ -17,7 +17,6 @@ from veloxquant_mlx.server.errors import APIError
 from veloxquant_mlx.server.generation import collect_all, new_id, usage_json_many
 from veloxquant_mlx.server.reasoning import (
     ReasoningSplitter,
-    effort_variables,
     think_tags,
     think_then_split,
 )
@@ -39,6 +38,7 @@ from veloxquant_mlx.server.tools import (
     strict_calls_grammar,
     template_messages,
     template_tools,
+    template_variables,
     tool_grammar,
     tool_or_answer_grammar,
 )
@@ -66,7 +66,7 @@ async def prepare_chat(st: AppState, body: ChatCompletionRequest) -> PreparedCha
     tokenizer = st.engine.tokenizer
     tools = template_tools(body, tokenizer)
     messages = template_messages(body)
-    variables = {**effort_variables(body.reasoning_effort), **(body.chat_template_kwargs or {})}
+    variables = template_variables(body)
 
     def template(conversation: list[dict[str, Any]]) -> str:
         return str(render_template(tokenizer, conversation, tools, variables))

@@ -26,7 +26,7 @@ from veloxquant_mlx.server.messages_api import (
     to_chat,
     tool_use,
 )
-from veloxquant_mlx.server.reasoning import ReasoningSplitter, effort_variables, think_then_split
+from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
@@ -36,6 +36,7 @@ from veloxquant_mlx.server.tools import (
     render_template,
     template_messages,
     template_tools,
+    template_variables,
 )
 
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
@@ -184,10 +185,8 @@ async def count_tokens(req: CountTokensRequest, request: Request) -> Any:
 
     def count() -> int:
         tools = template_tools(body, tokenizer)
-        variables = {**effort_variables(body.reasoning_effort),
-                     **(body.chat_template_kwargs or {})}  # fmt: skip
         rendered = render_template(
-            tokenizer, template_messages(body), tools, variables, tokenize=True
+            tokenizer, template_messages(body), tools, template_variables(body), tokenize=True
         )
         return len(rendered)
 

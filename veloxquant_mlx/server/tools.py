@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from veloxquant_mlx.server.errors import APIError
+from veloxquant_mlx.server.reasoning import effort_variables
 from veloxquant_mlx.server.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 from veloxquant_mlx.server.structured import COMPACT, check_schema, closed
 
@@ -78,6 +79,12 @@ def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | N
     if pending:
         out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
+
+
+def template_variables(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The variables the chat template gets besides the conversation and tools: the reasoning
+    effort's (``effort_variables``), then the request's ``chat_template_kwargs``, which win."""
+    return {**effort_variables(body.reasoning_effort), **(body.chat_template_kwargs or {})}
 
 
 def render_template(
