@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.server.conftest import MODEL, wait_idle
+from veloxquant_mlx.server.messages_api import OMITTED_IMAGE
 
 pytestmark = pytest.mark.anyio
 
@@ -37,7 +38,7 @@ async def test_x_api_key_is_the_api_key_and_errors_take_anthropics_shape(client_
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 
-async def test_a_text_document_is_read_as_text_and_media_blocks_are_refused_by_name(client_for):
+async def test_text_documents_are_read_media_refused_but_a_tool_results_image_is_a_line(client_for):
     client = await client_for()
     text = "The meeting is on Tuesday."
 
@@ -69,13 +70,21 @@ async def test_a_text_document_is_read_as_text_and_media_blocks_are_refused_by_n
     for payload, named in (
         (body(image), "'image' content blocks are not supported"),
         (body(pdf), "'application/pdf' is not supported"),
-        ({"model": MODEL, "max_tokens": 2, "messages": tool_turn}, "'image' content blocks"),
     ):
         r = await client.post("/v1/messages", json=payload)
         assert r.status_code == 400, r.text
         assert r.json()["type"] == "error"
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert named in r.json()["error"]["message"], r.json()
+    # an image a tool returned (resent every turn) is served, read as one line saying so
+    served = await client.post("/v1/messages", json={**body(), "messages": tool_turn})
+    assert served.status_code == 200, served.text
+    as_line = [*tool_turn[:2], {"role": "user", "content": [{**result, "content": OMITTED_IMAGE}]}]
+    counts = [
+        (await client.post("/v1/messages/count_tokens", json={**body(), "messages": m})).json()
+        for m in (tool_turn, as_line)
+    ]
+    assert counts[0] == counts[1], counts
     await wait_idle(client.engine)  # type: ignore[attr-defined]
 
 

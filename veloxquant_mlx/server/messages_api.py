@@ -12,7 +12,9 @@ variables ``enable_thinking``, Qwen3's and GLM's, and ``thinking``, DeepSeek's);
 template's default holds. ``cache_control`` and ``metadata`` are accepted and have no effect
 (the prefix cache is automatic).
 A plain-text ``document`` block is its text; images, PDFs and other media are refused with a
-400 that names the block (the models served here read text).
+400 that names the block (the models served here read text), except an image inside a
+``tool_result``: a tool (Claude Code's file reader, a screenshot) made it, the client resends it
+every turn, so a 400 would end the conversation; it is read as the line ``OMITTED_IMAGE``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,20 @@ class MediaBlock(_Block):
         )
 
 
+# What the model reads for an image a tool returned.
+OMITTED_IMAGE = "[an image was returned here; this model reads text only and cannot see it]"
+
+
+class ToolImageBlock(_Block):
+    """An image in a tool's result: read as ``OMITTED_IMAGE``."""
+
+    type: Literal["image"]
+
+    @property
+    def text(self) -> str:
+        return OMITTED_IMAGE
+
+
 class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: StrictStr
@@ -120,7 +136,7 @@ class ToolResultBlock(_Block):
     tool_use_id: StrictStr
     content: (
         StrictStr
-        | list[Annotated[TextBlock | DocumentBlock | MediaBlock, Field(discriminator="type")]]
+        | list[Annotated[TextBlock | DocumentBlock | ToolImageBlock, Field(discriminator="type")]]
     ) = ""
     is_error: StrictBool | None = None
 
@@ -223,7 +239,8 @@ class CountTokensRequest(BaseModel):
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(b.text for b in content if isinstance(b, (TextBlock, DocumentBlock)))
+    readable = (TextBlock, DocumentBlock, ToolImageBlock)
+    return "".join(b.text for b in content if isinstance(b, readable))
 
 
 def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
