@@ -22,6 +22,15 @@ class EdgeSettings(BaseModel):
         description="Seconds a stream's client may take no data before the stream is cancelled "
         "and its connection dropped.",
     )
+    stream_keepalive: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a stream waits for its first token before it starts anyway (the "
+        "API's opening event, then a keep-alive every this many seconds until the first "
+        "token), so that clients with an idle timeout (Claude Code, Codex) keep waiting "
+        "through a long prefill or queue; an error after that start is an error event in the "
+        "stream. 0: nothing is sent before the first token (every error an HTTP status).",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body (413).")
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, le=16 << 20, description="Largest request line + headers (431)."

@@ -103,55 +103,101 @@ async def collect(
 
 
 async def first_batch(
-    request: Request, engine: EngineClient, handle: RequestHandle
-) -> tuple[list[Event], AsyncIterator[list[Event]]]:
+    request: Request,
+    engine: EngineClient,
+    handle: RequestHandle,
+    patience: float | None = None,
+) -> tuple[list[Event] | None, AsyncIterator[list[Event]]]:
     """Wait for a stream's first events before any byte of the response is sent, so that a
     request that ends without a result before its first token (a shrink, a drain, its own
     fault) is answered with its real HTTP status instead of a 200 stream.
 
     Returns the first batch and the iterator of the rest. Raises the APIError for such an end.
-    A client that disconnects meanwhile cancels the request.
+    A client that disconnects meanwhile cancels the request. With ``patience`` (seconds), a
+    first batch that has not come by then is left to the stream: the first is None and
+    ``chain`` waits for it (with keep-alives), so a long prefill or queue does not keep the
+    response silent (``--stream-keepalive``).
     """
     batches = handle.batches()
     watcher = asyncio.create_task(_watch_disconnect(request, engine, handle))
+    pending = asyncio.ensure_future(anext(batches))
     try:
-        first = await anext(batches)
+        done, _ = await asyncio.wait({pending}, timeout=patience)
     except BaseException:  # cancelled while waiting: the client is gone
+        pending.cancel()
         engine.cancel(handle)
         raise
     finally:
         watcher.cancel()
+    if not done:
+        return None, _after(pending, batches)
+    first = pending.result()
     last = first[-1]
     if isinstance(last, FinishEvent) and last.finish_reason not in RESULTS:
         raise from_finish(last)
     return first, batches
 
 
-def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-async def chain(first: list[Event], rest: AsyncIterator[list[Event]]):
-    """The batches of one request: ``first`` (from ``first_batch``), then the rest."""
+async def _after(
+    pending: asyncio.Future[list[Event]], rest: AsyncIterator[list[Event]]
+) -> AsyncIterator[list[Event]]:
+    try:
+        first = await pending
+    finally:
+        pending.cancel()  # closed before it came
     yield first
     if not isinstance(first[-1], FinishEvent):
         async for batch in rest:
             yield batch
 
 
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+# What a stream sends while it waits for its first token, where its API has no event for it:
+# an SSE comment, which clients skip.
+SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+async def chain(
+    first: list[Event] | None, rest: AsyncIterator[list[Event]], keepalive: float = 0.0
+) -> AsyncIterator[list[Event]]:
+    """The batches of one request: ``first`` (from ``first_batch``), then the rest. A first
+    of None (the stream started before it came) is waited for, with an empty batch every
+    ``keepalive`` seconds meanwhile: the stream's cue to send a keep-alive."""
+    if first is None:
+        upcoming = asyncio.ensure_future(anext(rest))
+        try:
+            while not (await asyncio.wait({upcoming}, timeout=keepalive or None))[0]:
+                yield []
+        finally:
+            upcoming.cancel()  # closed before it came
+        first = upcoming.result()
+    yield first
+    if not isinstance(first[-1], FinishEvent):
+        async for batch in rest:
+            yield batch
+
+
+# What ``first_batch`` returns: a request's first batch (None: not come yet) and the rest.
+Opening = tuple[list[Event] | None, AsyncIterator[list[Event]]]
+
+
 async def _tagged(
-    firsts: list[tuple[list[Event], AsyncIterator[list[Event]]]],
+    firsts: list[Opening], keepalive: float
 ) -> AsyncGenerator[tuple[int, list[Event]], None]:
-    """Every choice's batches as ``(choice index, batch)`` in arrival order. One choice is read
-    directly; several are pumped into a queue by a task each (cancelled when this closes)."""
+    """Every choice's batches as ``(choice index, batch)`` in arrival order (empty batches:
+    ``chain``'s keep-alive cues). One choice is read directly; several are pumped into a
+    queue by a task each (cancelled when this closes)."""
     if len(firsts) == 1:
-        async for batch in chain(*firsts[0]):
+        async for batch in chain(*firsts[0], keepalive):
             yield 0, batch
         return
     queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
 
-    async def pump(index: int, first: list[Event], rest: AsyncIterator[list[Event]]) -> None:
-        async for batch in chain(first, rest):
+    async def pump(index: int, first: list[Event] | None, rest: AsyncIterator[list[Event]]) -> None:
+        async for batch in chain(first, rest, keepalive):
             await queue.put((index, batch))
 
     pumps = [asyncio.ensure_future(pump(i, first, rest)) for i, (first, rest) in enumerate(firsts)]
@@ -189,13 +235,15 @@ async def stream_choices(
     chunk: Any,
     include_usage: bool,
     usage_chunk: Any,
-    firsts: list[tuple[list[Event], AsyncIterator[list[Event]]]],
+    firsts: list[Opening],
+    keepalive: float = 0.0,
 ) -> AsyncIterator[bytes]:
     """SSE bytes for one or more choices: ``chunk(index, event)`` per event as each choice's
     events arrive (events that arrived together are written together; ``chunk`` may return
     None to hold text back), each choice's finish chunk when it ends, then
     ``usage_chunk(finishes)`` if asked, then ``[DONE]``. ``firsts`` are what ``first_batch``
-    returned per choice.
+    returned per choice; while a choice's first has not come, an SSE comment is sent every
+    ``keepalive`` seconds.
 
     A choice that ends without a result gets an error event (OpenAI's error shape, the code
     saying why; the other choices are cancelled), then ``[DONE]``. If the client goes away,
@@ -203,9 +251,12 @@ async def stream_choices(
     """
     finishes: dict[int, FinishEvent] = {}
     times: list[float] = []
-    batches = _tagged(firsts)
+    batches = _tagged(firsts, keepalive)
     try:
         async for index, batch in batches:
+            if not batch:
+                yield SSE_KEEPALIVE
+                continue
             out = []
             for event in batch:
                 if isinstance(event, TokenEvent):

@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent
-from veloxquant_mlx.server.deps import state
+from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, describe_validation, from_finish
-from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
+from veloxquant_mlx.server.generation import RESULTS, Opening, chain, collect, first_batch
 from veloxquant_mlx.server.messages_api import (
     CountTokensRequest,
     MessagesRequest,
@@ -69,10 +70,10 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     reasoner = prepared.reasoners[0]
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if req.stream:
-        first = await first_batch(request, st.engine, handle)
-        n_prompt = len(handle.request.prompt_tokens)
+        keepalive = st.settings.stream_keepalive
+        first = await first_batch(request, st.engine, handle, keepalive or None)
         return DeadlineStreamingResponse(
-            _events(req, message_id, n_prompt, splitter, reasoner, first),
+            _events(st, req, message_id, handle, splitter, reasoner, first, arrived),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             write_timeout=st.settings.stream_write_timeout,
@@ -98,15 +99,40 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
 
 
 async def _events(
+    st: AppState,
     req: MessagesRequest,
     message_id: str,
-    n_prompt: int,
+    handle: RequestHandle,
     splitter: ToolCallSplitter | None,
     reasoner: ReasoningSplitter | None,
-    first: Any,
+    first: Opening,
+    arrived: float,
 ) -> AsyncIterator[bytes]:
     """message_start, ping, content blocks (text_delta / input_json_delta), message_delta,
-    message_stop: Anthropic's stream."""
+    message_stop: Anthropic's stream; a ``ping`` every ``--stream-keepalive`` seconds while
+    the first token is awaited. Closed early (the client left), it cancels the request."""
+    times: list[float] = []
+    try:
+        async for chunk in _blocks(st, req, message_id, handle, splitter, reasoner, first, times):
+            yield chunk
+    finally:
+        if not handle.done:
+            st.engine.cancel(handle)
+        ended = handle.finish.time if handle.finish is not None else time.monotonic()
+        st.metrics.observe(arrived, times, ended)
+
+
+async def _blocks(
+    st: AppState,
+    req: MessagesRequest,
+    message_id: str,
+    handle: RequestHandle,
+    splitter: ToolCallSplitter | None,
+    reasoner: ReasoningSplitter | None,
+    first: Opening,
+    times: list[float],
+) -> AsyncIterator[bytes]:
+    n_prompt = len(handle.request.prompt_tokens)
 
     def event(kind: str, **data: Any) -> bytes:
         payload = json.dumps({"type": kind, **data}, separators=(",", ":"))
@@ -120,12 +146,17 @@ async def _events(
     yield event("message_start", message=start) + event("ping")
     index, text_open, thinking_open, n_calls = 0, False, False, 0
     finish: FinishEvent | None = None
-    async for batch in chain(*first):
+    async for batch in chain(*first, st.settings.stream_keepalive):
+        if not batch:
+            yield event("ping")
+            continue
         out: list[bytes] = []
         for ev in batch:
             final = isinstance(ev, FinishEvent)
             if final:
                 finish = ev  # type: ignore[assignment]
+            else:
+                times.append(ev.time)
             cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
             thought, text, calls = think_then_split(reasoner, splitter, ev.text, final, cut)
             if thought:

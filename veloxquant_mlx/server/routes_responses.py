@@ -17,7 +17,14 @@ from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent, TokenEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_finish
-from veloxquant_mlx.server.generation import RESULTS, chain, collect, first_batch
+from veloxquant_mlx.server.generation import (
+    RESULTS,
+    SSE_KEEPALIVE,
+    Opening,
+    chain,
+    collect,
+    first_batch,
+)
 from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
 from veloxquant_mlx.server.responses_api import (
     ResponsesRequest,
@@ -173,7 +180,8 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     handle, splitter = prepared.handles[0], prepared.splitters[0]  # n is 1 here
     reasoner = prepared.reasoners[0]
     if req.stream:
-        first = await first_batch(request, st.engine, handle)
+        keepalive = st.settings.stream_keepalive
+        first = await first_batch(request, st.engine, handle, keepalive or None)
         return DeadlineStreamingResponse(
             _events(st, built, handle, splitter, reasoner, first, arrived),
             media_type="text/event-stream",
@@ -200,10 +208,11 @@ async def _events(
     handle: RequestHandle,
     splitter: ToolCallSplitter | None,
     reasoner: ReasoningSplitter | None,
-    first: Any,
+    first: Opening,
     arrived: float,
 ) -> AsyncIterator[bytes]:
-    """response.created ... output_text.delta ... response.completed, as OpenAI sends them."""
+    """response.created ... output_text.delta ... response.completed, as OpenAI sends them (an
+    SSE comment every ``--stream-keepalive`` seconds while the first token is awaited)."""
     seq = 0
 
     def event(kind: str, **data: Any) -> bytes:
@@ -301,7 +310,10 @@ async def _events(
                 ]
             return out
 
-        async for batch in chain(*first):
+        async for batch in chain(*first, st.settings.stream_keepalive):
+            if not batch:
+                yield SSE_KEEPALIVE
+                continue
             out: list[bytes] = []
             for ev in batch:
                 if isinstance(ev, TokenEvent):

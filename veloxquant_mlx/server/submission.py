@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import itertools
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -205,10 +206,18 @@ async def sse_response(
 ) -> StreamingResponse:
     """The SSE response: ``chunk(choice index, event)`` per event, a usage chunk if asked,
     ``[DONE]``. Nothing is sent before every choice's first event, so an error before it gets
-    its HTTP status."""
+    its HTTP status, unless that takes longer than ``--stream-keepalive``: then the stream
+    starts with keep-alives (and such an error is an error event)."""
     include = bool(body.stream_options and body.stream_options.include_usage)
+    keepalive = st.settings.stream_keepalive
+    deadline = time.monotonic() + keepalive
     try:
-        firsts = [await first_batch(request, st.engine, h) for h in handles]
+        firsts = [
+            await first_batch(
+                request, st.engine, h, max(0.0, deadline - time.monotonic()) if keepalive else None
+            )
+            for h in handles
+        ]
     except BaseException:
         for handle in handles:
             st.engine.cancel(handle)
@@ -218,7 +227,7 @@ async def sse_response(
         return {**base, "choices": [], "usage": usage_json_many(finishes, n)}
 
     body_iter = stream_choices(
-        st.engine, handles, st.metrics, arrived, chunk, include, usage, firsts
+        st.engine, handles, st.metrics, arrived, chunk, include, usage, firsts, keepalive
     )
     return DeadlineStreamingResponse(
         body_iter,
