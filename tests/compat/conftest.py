@@ -2,8 +2,44 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the cost map
 
-from tests.e2e.conftest import server, tool_server  # noqa: F401  (fixtures)
+from tests.e2e.conftest import (
+    TOOL_TEMPLATE,
+    Server,
+    server,  # noqa: F401  (a fixture)
+    start_server,
+    stop_server,
+    tool_server,  # noqa: F401  (a fixture)
+)
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
+    """The embedded model (served as ``agent-tiny``, any model name accepted) with the tool
+    template and a context that holds an agent CLI's prompt (its 2,048-token vocabulary makes
+    Codex's ~24k tokens); a stream starts with keep-alives after 2 s, so the agents read
+    through them while their cold prompt prefills."""
+    model = tmp_path_factory.mktemp("agent-model") / "agent-tiny"
+    shutil.copytree(default_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 65536
+    (model / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = TOOL_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
+    srv = start_server(
+        tmp_path_factory.mktemp("agent"), "--model", str(model), "--model-aliases", "*",
+        "--default-max-tokens", "8", "--kv-cache-mb", "1024", "--stream-keepalive", "2",
+    )  # fmt: skip
+    yield srv
+    srv.wait_pool_free()
+    assert stop_server(srv) == 0, srv.log()

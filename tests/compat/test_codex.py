@@ -14,39 +14,16 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TOOL_TEMPLATE, Server, start_server, stop_server
+from tests.e2e.conftest import Server
 
 CODEX_DIR = Path(__file__).resolve().parent / "codex"
 pytestmark = pytest.mark.skipif(
     not (shutil.which("node") and shutil.which("npm")), reason="no node/npm"
 )
-
-
-@pytest.fixture(scope="module")
-def long_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
-    """The embedded model with the tool template and a context that holds Codex's prompt
-    (its 2,048-token vocabulary makes that prompt ~24k tokens)."""
-    model = tmp_path_factory.mktemp("codex-model") / "codex-tiny"
-    shutil.copytree(default_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = 65536
-    (model / "config.json").write_text(json.dumps(config))
-    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = TOOL_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
-    srv = start_server(
-        tmp_path_factory.mktemp("codex"), "--model", str(model), "--model-aliases", "*",
-        "--default-max-tokens", "8", "--kv-cache-mb", "512",
-    )  # fmt: skip
-    yield srv
-    srv.wait_pool_free()
-    assert stop_server(srv) == 0, srv.log()
 
 
 def codex(server: Server, home: Path, *args: str) -> list[dict]:
@@ -55,7 +32,7 @@ def codex(server: Server, home: Path, *args: str) -> list[dict]:
     run = subprocess.run(
         [str(CODEX_DIR / "node_modules" / ".bin" / "codex"), "exec", "--json",
          "--skip-git-repo-check", "-c", "model_provider=vq", "-c", provider,
-         "-m", "codex-tiny", *args],
+         "-m", "agent-tiny", *args],
         cwd=home, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
         env={**os.environ, "CODEX_HOME": str(home), "VQ_TEST_KEY": "x"},
     )  # fmt: skip

@@ -328,3 +328,38 @@ def test_caching_a_leaving_rows_answer_keeps_the_next_steps_writes_in_place(make
     assert len(box["ratios"]) > 100
     copies = [(i, round(r, 2)) for i, r in enumerate(box["ratios"]) if r > 0.2]
     assert max(box["ratios"]) < 0.5, copies
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_prompt_cancelled_mid_prefill_leaves_the_pages_it_wrote_cached(make_engine, layout):
+    """An agent whose timeout ends a long prefill resends the prompt: the retry starts from the
+    pages the cut prefill wrote (the dense layout, which writes them in its prefill caches;
+    the paged one writes its blocks only when a prompt joins: nothing is kept there, and
+    nothing wrong), and gives the tokens a cold prefill gives."""
+    box: dict = {}
+
+    def hook() -> None:  # engine thread, before each turn
+        engine, long = box.get("engine"), box.get("long")
+        if engine is None or long is None or "cut" in box:
+            return
+        for seq in engine._core.scheduler.running:
+            caches = None if seq.state is None else seq.state.caches
+            if seq.handle is long and caches is not None and caches[0].offset >= 4 * BS:
+                box["cut"] = caches[0].offset  # some chunks in, most to come
+                engine.cancel(long)
+
+    engine = make_engine(kv_cache_mb=32, step_hook=hook, prefill_step=32, prefill_budget=32,
+                         idle_prefill_budget=32, **LAYOUTS[layout])  # fmt: skip
+    box["engine"] = engine
+    prompt = words(random.Random(21), 20 * BS + 3)
+    box["long"] = engine.submit(GenerationRequest(tuple(prompt), 8, GREEDY))
+    tokens, finish = box["long"].collect(120)
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled", finish
+    assert tokens == [] and box["cut"] < len(prompt) - 2 * BS
+    [(again, cached, reason, _)] = run(engine, [prompt], max_tokens=8)
+    if layout == "dense":
+        assert box["cut"] // BS * BS <= cached < len(prompt), (box["cut"], cached)
+    else:
+        assert cached == 0
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False, **LAYOUTS[layout])
+    assert run(plain, [prompt], max_tokens=8)[0][0] == again and reason == "length"

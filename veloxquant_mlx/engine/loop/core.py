@@ -343,7 +343,7 @@ class EngineCore:
         run: Running | None = seq.out
         try:
             if reason in ("stop", "length", "cancelled"):
-                self.scheduler.cache_generated(seq)
+                self.scheduler.cache_leaving(seq)
             self.runner.remove(seq)
         finally:
             self.scheduler.finish(seq)

@@ -162,7 +162,7 @@ class Prefiller:
                     mx.async_eval(final)
                 return None
             sampled = self._sample_first([seq], last_logits.row(logits, last))
-            layers = _filled(state.caches)
+            layers = filled(state.caches)
         state.next_input = sampled.tokens
         done = Prefilled(sampled, [(seq, layers)], launch)
         if stages:
@@ -243,6 +243,6 @@ class Prefiller:
         return parts[0] if codec is None else codec.decode(parts)
 
 
-def _filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
+def filled(caches: list[Any]) -> list[tuple[mx.array, mx.array]]:
     """Each prefill cache's keys and values up to its offset."""
     return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]

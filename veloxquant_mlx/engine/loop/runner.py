@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
-from veloxquant_mlx.engine.loop.prefill import Prefiller
+from veloxquant_mlx.engine.loop.prefill import Prefiller, filled
 from veloxquant_mlx.engine.loop.rows import RowState, Sampled, next_input, row_state
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -213,7 +213,9 @@ class Runner:
         if cache_pages and self.on_join is not None:
             self.on_join(seq, layers)
 
-    def page_source(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> Any:
+    def page_source(
+        self, seq: Seq, layers: list[tuple[mx.array, mx.array]], n_tokens: int | None = None
+    ) -> Any:
         """What the prefix cache keeps for the joined ``seq``'s prompt page ``i``
         (``kv_of(i)``): nothing where the layout keeps pages in the pool's blocks (paged); in
         the dense layout, one copy per layer and stream of the new pages' span, made on the
@@ -221,19 +223,34 @@ class Runner:
         request, not one per page and layer)."""
         encode = self.kv.layout_for(seq.kv_format).encode_span
         return self._span_source(
-            seq, lambda a, b: [(encode(k[:, :, a:b]), encode(v[:, :, a:b])) for k, v in layers]
+            seq,
+            lambda a, b: [(encode(k[:, :, a:b]), encode(v[:, :, a:b])) for k, v in layers],
+            n_tokens=n_tokens,
         )
 
     def row_pages(self, seq: Seq) -> Any:
-        """``kv_of`` for the pages a leaving row generated (``Scheduler.cache_generated``):
-        in the dense layout a copy out of the row's slot of the working set, started at once
-        (not deferred to the next launch): a read of the working set still pending when the
-        next step writes it makes that write copy every layer's working set (``copied_out``
-        says the launch must wait for it)."""
+        """``kv_of`` for the pages a leaving row generated (``Scheduler.cache_leaving``), None
+        if ``seq`` is not a row of the batch: in the dense layout a copy out of the row's slot
+        of the working set, started at once (not deferred to the next launch): a read of the
+        working set still pending when the next step writes it makes that write copy every
+        layer's working set (``copied_out`` says the launch must wait for it)."""
         if seq not in self.rows:
-            return lambda i: None
+            return None
         slot = self.rows.index(seq)
         return self._span_source(seq, lambda a, b: self.kv.row_span(slot, a, b), at_once=True)
+
+    def prefill_pages(self, seq: Seq) -> tuple[int, Any] | None:
+        """What a prompt that leaves before it joined the batch (its client gave up: agents
+        resend a prompt whose prefill outlasted their timeout; or it was preempted) has
+        written: how many of its tokens have KV in its prefill caches, and ``kv_of`` for
+        their pages; None if nothing (no chunk run yet, or the paged layout, whose blocks a
+        prompt writes only when it joins)."""
+        state = seq.state
+        if state is None or state.caches is None or self.kv.keeps_pages:
+            return None
+        layers = filled(state.caches)
+        n = min(seq.n_kv, len(seq.tokens), int(layers[0][0].shape[2]))
+        return n, self.page_source(seq, layers, n)
 
     def copied_out(self) -> bool:
         """Whether a leaving row's pages were copied out of the working set since the last
@@ -244,7 +261,11 @@ class Runner:
         return self._copied_out
 
     def _span_source(
-        self, seq: Seq, read: Callable[[int, int], list[Any]], at_once: bool = False
+        self,
+        seq: Seq,
+        read: Callable[[int, int], list[Any]],
+        at_once: bool = False,
+        n_tokens: int | None = None,
     ) -> Any:
         bs = self.block_size
         region: list[Any] = []  # [(first page index, [(k, v) per layer])]
@@ -253,7 +274,8 @@ class Runner:
             if self.kv.keeps_pages:
                 return None
             if not region:
-                end = min(seq.n_kv, len(seq.tokens)) // bs * bs
+                known = min(seq.n_kv, len(seq.tokens)) if n_tokens is None else n_tokens
+                end = known // bs * bs
                 span = tree_map(mx.contiguous, read(i * bs, end))  # quantized: 3 parts each
                 flat: list[mx.array] = [x for _, x in tree_flatten(span)]  # type: ignore[misc,str-unpack]
                 if at_once:

@@ -73,16 +73,17 @@ class Scheduler:
         # The parts a chunk beside decoding rows is launched in (None: adaptive, sized by the
         # budget's reference gaps: prefill_parts.py)
         self.parts = PrefillParts(prefill_parts, self.budget.gaps)
-        # Cache a leaving row's generated pages too (``cache_generated``) while at most this
-        # many requests run (None: always); ``row_pages`` is set by the engine to the runner's
-        # (the scheduler runs no MLX).
+        # Cache a leaving row's generated pages too (``cache_leaving``) while at most this
+        # many requests run (None: always); ``row_pages`` and ``prefill_pages`` are set by the
+        # engine to the runner's (the scheduler runs no MLX).
         self.answers_up_to = answers_up_to
         self.kv_format = kv_format  # the format tag the pool records on blocks (kv.codec)
         # A row's residual window (--kv-recent-tokens), kept by the layout in the model's
         # type: ``blocks.window(format)`` blocks of each stream, tagged ``window_format``,
         # held while it runs.
         self.window_format = window_format
-        self.row_pages: Callable[[Seq], Callable[[int], Any]] = lambda seq: lambda i: None
+        self.row_pages: Callable[[Seq], Callable[[int], Any] | None] = lambda seq: None
+        self.prefill_pages: Callable[[Seq], tuple[int, Any] | None] = lambda seq: None
         # The disk tier past the cached pages (the engine's, when --prefix-cache-dir is set)
         self.disk: DiskReads | None = None
         self.waiting: collections.deque[Seq] = collections.deque()
@@ -178,17 +179,27 @@ class Scheduler:
                 self.blocks.span(fmt),
             )
 
-    def cache_generated(self, seq: Seq) -> None:
-        """A decoding row leaves (finish, cancel or preemption): cache the full pages its KV
-        holds beyond its prompt's, so the next turn of a conversation, which resends the
-        answer, prefills only what is new. ``row_pages(seq)`` is the layout's ``kv_of`` for
+    def cache_leaving(self, seq: Seq) -> None:
+        """A request leaves (finish, cancel or preemption): cache the full pages its KV holds
+        beyond those cached already. A row of the batch: the pages it generated, so the next
+        turn of a conversation, which resends the answer, prefills only what is new (while at
+        most ``answers_up_to`` requests run); ``row_pages(seq)`` is the layout's ``kv_of`` for
         the row (the runner's: nothing to copy where the layout keeps pages in the pool's
-        blocks, a copy out of the dense working set otherwise)."""
-        up_to = self.answers_up_to
-        if self.cache is None or not seq.decoding:
+        blocks, a copy out of the dense working set otherwise). A prompt cut short in its
+        prefill (``prefill_pages``): the pages its chunks wrote, so that a retry (an agent
+        whose timeout ended a long prefill resends the prompt) or its return after a
+        preemption starts from them instead of from nothing."""
+        if self.cache is None:
             return
-        if up_to is None or len(self.running) <= up_to:
-            self.register(seq, min(seq.n_kv, len(seq.tokens)), self.row_pages(seq))
+        rows = self.row_pages(seq)
+        if rows is not None:
+            up_to = self.answers_up_to
+            if up_to is None or len(self.running) <= up_to:
+                self.register(seq, min(seq.n_kv, len(seq.tokens)), rows)
+            return
+        cut = self.prefill_pages(seq)
+        if cut is not None:
+            self.register(seq, *cut)
 
     def reset_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""
@@ -368,7 +379,7 @@ class Scheduler:
     def preempt(self, seq: Seq) -> None:
         """Free ``seq``'s blocks and put it back at the head of the queue. The full pages it
         computed stay cached (evictable): its return may hit them."""
-        self.cache_generated(seq)
+        self.cache_leaving(seq)
         self.running.remove(seq)
         self.release(seq)
         seq.preemptions += 1

@@ -343,6 +343,7 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         spans=spans,
     )
     scheduler.row_pages = runner.row_pages
+    scheduler.prefill_pages = runner.prefill_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
