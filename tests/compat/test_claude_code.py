@@ -7,7 +7,9 @@ and the whole conversation every request. The random-weight model never ends its
 answers are held to 16 tokens (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``), which Claude Code reports
 as the only error; what is checked is that every request is served, that the session's later
 requests are read from the prefix cache, and that the first request's slow prefill is read
-through the stream's keep-alives."""
+through the stream's keep-alives. The model is named on both invocations: left to its default,
+Claude Code's first run names a 1M-context variant in its system prompt and its ``--continue``
+run does not, so the two prompts part after ~800 tokens (its choice, not the cache's)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ CUT = "exceeded the 16 output token maximum"
 def claude(server: Server, home: Path, *args: str) -> dict:
     run = subprocess.run(
         [str(CLAUDE_DIR / "node_modules" / ".bin" / "claude"), "-p", *args,
-         "--tools", "Bash,Read", "--output-format", "json"],
+         "--model", "claude-opus-4-8", "--tools", "Bash,Read", "--output-format", "json"],
         cwd=home, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
         env={**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": server.base_url,
              "ANTHROPIC_API_KEY": "x", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
