@@ -6,6 +6,8 @@ the same tokens; a request that leaves while it waits to join leaves nothing beh
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 import pytest
 
@@ -13,6 +15,7 @@ from tests.engine.conftest import cancelled_while, long_prompt_beside_two_stream
 from veloxquant_mlx.engine.config import EngineConfig
 from veloxquant_mlx.engine.loop.join_clock import OVERHEAD_TOKENS, JoinClock
 from veloxquant_mlx.engine.model.choices import prefill_join, prefill_stream
+from veloxquant_mlx.engine.types import GenerationRequest, SamplingParams
 
 
 class _Streams:
@@ -81,6 +84,10 @@ def test_a_row_waiting_to_join_joins_once_nobody_decodes(make_engine):
 
 
 def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine):
+    """Nothing held, and nothing wrong cached: its pages were copied into the prefix cache when
+    its prefill completed, and its retry hits them and gives a cold prefill's tokens. (The
+    paged layout never prefills on a stream of its own, so never waits to join.)"""
+
     def waiting(runner) -> bool:  # engine thread: the clock never calls a prefill done
         runner._joins.clock.rate = 1.0
         return runner.waiting_to_join() > 0
@@ -89,6 +96,15 @@ def test_a_request_that_leaves_while_waiting_to_join_leaves_nothing(make_engine)
         make_engine, waiting, 200, 7, prefill_budget=32, prefill_stream="on", prefill_join="ready"
     )
     assert engine._core.runner.waiting_to_join() == 0
+    # the same prompt again (``cancelled_while``'s), and on an engine that caches nothing
+    rng = random.Random(7)
+    prompt = tuple(rng.randrange(3, 2000) for _ in range(200))
+    greedy = SamplingParams(temperature=0.0)
+    plain = make_engine(kv_cache_mb=32, prefix_caching=False)
+    runs = [e.submit(GenerationRequest(prompt, 8, greedy)).collect(120) for e in (engine, plain)]
+    (tokens, finish), (cold, _) = runs
+    assert [t.token_id for t in tokens] == [t.token_id for t in cold]
+    assert finish.usage.cached_tokens == 192  # its 12 full pages
     # the fixture then checks the pool all free and no owner left
 
 
