@@ -19,7 +19,6 @@ from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, from_finish
 from veloxquant_mlx.server.generation import (
     RESULTS,
-    SSE_KEEPALIVE,
     Opening,
     chain,
     collect,
@@ -211,8 +210,9 @@ async def _events(
     first: Opening,
     arrived: float,
 ) -> AsyncIterator[bytes]:
-    """response.created ... output_text.delta ... response.completed, as OpenAI sends them (an
-    SSE comment every ``--stream-keepalive`` seconds while the first token is awaited)."""
+    """response.created ... output_text.delta ... response.completed, as OpenAI sends them
+    (``response.in_progress`` again every ``--stream-keepalive`` seconds while the first token
+    is awaited)."""
     seq = 0
 
     def event(kind: str, **data: Any) -> bytes:
@@ -311,8 +311,8 @@ async def _events(
             return out
 
         async for batch in chain(*first, st.settings.stream_keepalive):
-            if not batch:
-                yield SSE_KEEPALIVE
+            if not batch:  # an event, not a comment: Codex's idle timer counts events
+                yield event("response.in_progress", response=built.json("in_progress", None))
                 continue
             out: list[bytes] = []
             for ev in batch:
