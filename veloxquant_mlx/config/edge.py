@@ -27,7 +27,7 @@ class EdgeSettings(BaseModel):
         ge=0,
         description="Seconds a stream waits for its first token before it starts anyway (the "
         "API's opening event, then a keep-alive every this many seconds until the first "
-        "token), so that clients with an idle timeout (Claude Code, Codex) keep waiting "
+        "token), so that clients with an idle timeout (Codex's is 300 s) keep waiting "
         "through a long prefill or queue; an error after that start is an error event in the "
         "stream. 0: nothing is sent before the first token (every error an HTTP status).",
     )
