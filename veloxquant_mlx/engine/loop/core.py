@@ -31,6 +31,7 @@ from veloxquant_mlx.engine.loop.disk_tier import persist_at_stop
 from veloxquant_mlx.engine.loop.group import Group, pool_rows
 from veloxquant_mlx.engine.loop.inbox import Counters, Inbox, snapshot_of
 from veloxquant_mlx.engine.loop.parts import Parts
+from veloxquant_mlx.engine.loop.prefill_log import PrefillProgress
 from veloxquant_mlx.engine.loop.readback import push_finish, read_back
 from veloxquant_mlx.engine.loop.rows import RowState, Sampled
 from veloxquant_mlx.engine.loop.scoring_queue import ScoringQueue
@@ -97,6 +98,7 @@ class EngineCore:
         # GPU, where the launch returns at once and the first tokens are read while it runs.
         self._first_tokens_first = mx.default_device() == mx.cpu
         self._clock = TurnClock()  # a slow turn's phases, at debug level
+        self._progress = PrefillProgress()  # long prefills' lines
 
     # ------------------------------------------------------------------ loop
 
@@ -207,6 +209,7 @@ class EngineCore:
                 self._start(seq)
         for seq in plan.preempted:
             log.info("preempted request %d (pool full); it will be recomputed", seq.request_id)
+            self._progress.forget(seq)
             runner.remove(seq)
             self._changed = True
         for seq, before in plan.grown:
@@ -215,6 +218,7 @@ class EngineCore:
             plan.together = [s for s in plan.together if s.request_id in self._live]
             plan.chunks = [c for c in plan.chunks if c.seq.request_id in self._live]
         results = runner.prefill(plan)
+        self._progress.chunks(plan.chunks)
         clock.mark()
         launched = runner.step(sched.max_block_id) if runner.rows else None
         clock.mark()
@@ -344,6 +348,7 @@ class EngineCore:
         try:
             if reason in ("stop", "length", "cancelled"):
                 self.scheduler.cache_leaving(seq)
+            self._progress.left(seq, reason, seq.pages.n_known * self.runner.block_size)
             self.runner.remove(seq)
         finally:
             self.scheduler.finish(seq)
