@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +45,15 @@ def long_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
     yield srv
     srv.wait_pool_free()
     assert stop_server(srv) == 0, srv.log()
+
+
+def npm_installed(package_dir: Path, binary: str) -> Path:
+    """The ``node_modules/.bin/binary`` of ``package_dir``, installed there from its lock file
+    (``npm ci``) the first time."""
+    path = package_dir / "node_modules" / ".bin" / binary
+    if not path.exists():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
+            cwd=package_dir, check=True, timeout=600,
+        )  # fmt: skip
+    return path

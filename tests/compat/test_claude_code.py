@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.compat.conftest import npm_installed
 from tests.e2e.conftest import Server
 
 CLAUDE_DIR = Path(__file__).resolve().parent / "claude"
@@ -56,11 +57,7 @@ def requests(server: Server) -> list[dict[str, int | str]]:
 
 
 def test_claude_code_turns_over_the_messages_api(long_server, tmp_path):
-    if not (CLAUDE_DIR / "node_modules" / ".bin" / "claude").exists():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
-            cwd=CLAUDE_DIR, check=True, timeout=600,
-        )  # fmt: skip
+    npm_installed(CLAUDE_DIR, "claude")
     first = claude(long_server, tmp_path, "say hi")
     turn_one = requests(long_server)
     second = claude(long_server, tmp_path, "--continue", "again")

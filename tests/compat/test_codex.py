@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.compat.conftest import npm_installed
 from tests.e2e.conftest import Server
 
 CODEX_DIR = Path(__file__).resolve().parent / "codex"
@@ -42,11 +43,7 @@ def codex(server: Server, home: Path, *args: str) -> list[dict]:
 
 
 def test_codex_turns_over_the_responses_api(long_server, tmp_path):
-    if not (CODEX_DIR / "node_modules" / ".bin" / "codex").exists():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
-            cwd=CODEX_DIR, check=True, timeout=600,
-        )  # fmt: skip
+    npm_installed(CODEX_DIR, "codex")
     for turn, args in enumerate((["say hi"], ["resume", "--last", "again"])):
         events = codex(long_server, tmp_path, *args)
         messages = [e["item"]["text"] for e in events

@@ -59,21 +59,25 @@ def open_request(server: Server, body: dict) -> socket.socket:
     return s
 
 
-@pytest.fixture(scope="module")
-def one_slot(tmp_path_factory, default_model_dir) -> Iterator[Server]:
-    """One request decodes at a time, so others can be held in the queue."""
+def one_slot_server(tmp_path_factory, default_model_dir, *flags: str) -> Iterator[Server]:
+    """A server where one request decodes at a time, so others can be held in the queue (a
+    module fixture's body: ``yield from``); left with its pool all free."""
     os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
     srv = start_server(
         tmp_path_factory.mktemp("one-slot"),
-        "--n-blocks", "6000", "--max-running", "1", "--max-queue", "8",
-        "--stream-interval-ms", "0",
+        "--n-blocks", "6000", "--max-running", "1", "--stream-interval-ms", "0", *flags,
     )  # fmt: skip
     yield srv
     srv.wait_pool_free()
     assert stop_server(srv) == 0, srv.log()
 
 
-def _idle(server: Server) -> bool:
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory, default_model_dir) -> Iterator[Server]:
+    yield from one_slot_server(tmp_path_factory, default_model_dir, "--max-queue", "8")
+
+
+def idle(server: Server) -> bool:
     g = gauges(server)
     return g["veloxquant_requests_running"] == 0 and g["veloxquant_requests_waiting"] == 0
 
@@ -109,7 +113,7 @@ def test_a_disconnect_at_any_stage_cancels_and_frees(one_slot, stage, stream):
     if blocker is not None:
         wait_for(lambda: gauges(one_slot)["veloxquant_requests_waiting"] == 0, what="dequeue")
         blocker.close()
-    wait_for(lambda: _idle(one_slot), what="idle")
+    wait_for(lambda: idle(one_slot), what="idle")
     one_slot.wait_pool_free()
     if stage in ("queued", "decoding") and not (stage == "decoding" and stream):
         # no answer had begun: the access log says the client closed it (499), not that the
@@ -153,7 +157,7 @@ def test_a_half_closed_client_queued_past_the_grace_still_gets_its_answer(one_sl
     final = out[out.rindex(b"HTTP/1.1 ") :]
     assert final.startswith(b"HTTP/1.1 200"), out[:300]
     assert json.loads(final.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 4
-    wait_for(lambda: _idle(one_slot), what="idle")
+    wait_for(lambda: idle(one_slot), what="idle")
     one_slot.wait_pool_free()
 
 

@@ -17,7 +17,13 @@ import openai
 import pytest
 
 from tests.reliability.conftest import MODEL, Server, start_server, stop_server
-from tests.reliability.test_lifecycle import gauges, open_request, wait_for
+from tests.reliability.test_lifecycle import (
+    gauges,
+    idle,
+    one_slot_server,
+    open_request,
+    wait_for,
+)
 
 KEEPALIVE_S = 0.2
 # EOS (id 2) banned: the blocker decodes its whole max_tokens, tens of seconds here
@@ -27,21 +33,10 @@ BLOCKER = {"model": MODEL, "prompt": "blocker", "max_tokens": 8000, "stream": Tr
 
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory, default_model_dir) -> Iterator[Server]:
-    """One request decodes at a time: a second waits in the queue for its first token."""
-    os.environ["VQ_TEST_MODEL_CACHE"] = str(default_model_dir.parent)
-    srv = start_server(
-        tmp_path_factory.mktemp("stream-start"),
-        "--n-blocks", "6000", "--max-running", "1", "--stream-interval-ms", "0",
-        "--stream-keepalive", str(KEEPALIVE_S),
-    )  # fmt: skip
-    yield srv
-    srv.wait_pool_free()
-    assert stop_server(srv) == 0, srv.log()
-
-
-def _idle(server: Server) -> bool:
-    g = gauges(server)
-    return g["veloxquant_requests_running"] == 0 and g["veloxquant_requests_waiting"] == 0
+    """A second request waits in the queue for its first token."""
+    yield from one_slot_server(
+        tmp_path_factory, default_model_dir, "--stream-keepalive", str(KEEPALIVE_S)
+    )
 
 
 def behind_a_blocker(server: Server, victim: Callable[[], None], started: Callable[[], bool]):
@@ -68,7 +63,7 @@ def behind_a_blocker(server: Server, victim: Callable[[], None], started: Callab
     assert not thread.is_alive()
     if errors:
         raise errors[0]
-    wait_for(lambda: _idle(server), what="idle")
+    wait_for(lambda: idle(server), what="idle")
     server.wait_pool_free()
 
 
@@ -168,7 +163,7 @@ def test_a_client_that_leaves_a_started_stream_cancels_its_request(one_slot):
                     pass
         if blocker is not None:
             blocker.close()
-        wait_for(lambda: _idle(one_slot), what="idle")
+        wait_for(lambda: idle(one_slot), what="idle")
         logged = cancelled + 1
         wait_for(lambda: one_slot.log().count("finish=cancelled") >= logged,  # noqa: B023
                  what="the cancelled line")  # fmt: skip

@@ -180,6 +180,28 @@ async def chain(
             yield batch
 
 
+async def ended_with(
+    events: AsyncGenerator[bytes, None],
+    engine: EngineClient,
+    handle: RequestHandle,
+    metrics: Metrics,
+    arrived: float,
+    times: list[float],
+) -> AsyncIterator[bytes]:
+    """One request's stream ``events`` (which appends its tokens' times to ``times``); however
+    it ends, the request is cancelled if it has not ended (closed early: the client left) and
+    its times go to the request metrics."""
+    try:
+        async for chunk in events:
+            yield chunk
+    finally:
+        await events.aclose()  # its own waits (a first token's) end with it
+        if not handle.done:
+            engine.cancel(handle)
+        ended = handle.finish.time if handle.finish is not None else time.monotonic()
+        metrics.observe(arrived, times, ended)
+
+
 # What ``first_batch`` returns: a request's first batch (None: not come yet) and the rest.
 Opening = tuple[list[Event] | None, AsyncIterator[list[Event]]]
 

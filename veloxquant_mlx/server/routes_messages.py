@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,7 +17,14 @@ from veloxquant_mlx.engine.request.handle import RequestHandle
 from veloxquant_mlx.engine.types import FinishEvent
 from veloxquant_mlx.server.deps import AppState, state
 from veloxquant_mlx.server.errors import APIError, describe_validation, from_finish
-from veloxquant_mlx.server.generation import RESULTS, Opening, chain, collect, first_batch
+from veloxquant_mlx.server.generation import (
+    RESULTS,
+    Opening,
+    chain,
+    collect,
+    ended_with,
+    first_batch,
+)
 from veloxquant_mlx.server.messages_api import (
     CountTokensRequest,
     MessagesRequest,
@@ -72,8 +79,10 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     if req.stream:
         keepalive = st.settings.stream_keepalive
         first = await first_batch(request, st.engine, handle, keepalive or None)
+        times: list[float] = []
+        events = _events(st, req, message_id, handle, splitter, reasoner, first, times)
         return DeadlineStreamingResponse(
-            _events(st, req, message_id, handle, splitter, reasoner, first, arrived),
+            ended_with(events, st.engine, handle, st.metrics, arrived, times),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             write_timeout=st.settings.stream_write_timeout,
@@ -106,32 +115,11 @@ async def _events(
     splitter: ToolCallSplitter | None,
     reasoner: ReasoningSplitter | None,
     first: Opening,
-    arrived: float,
-) -> AsyncIterator[bytes]:
+    times: list[float],
+) -> AsyncGenerator[bytes, None]:
     """message_start, ping, content blocks (text_delta / input_json_delta), message_delta,
     message_stop: Anthropic's stream; a ``ping`` every ``--stream-keepalive`` seconds while
-    the first token is awaited. Closed early (the client left), it cancels the request."""
-    times: list[float] = []
-    try:
-        async for chunk in _blocks(st, req, message_id, handle, splitter, reasoner, first, times):
-            yield chunk
-    finally:
-        if not handle.done:
-            st.engine.cancel(handle)
-        ended = handle.finish.time if handle.finish is not None else time.monotonic()
-        st.metrics.observe(arrived, times, ended)
-
-
-async def _blocks(
-    st: AppState,
-    req: MessagesRequest,
-    message_id: str,
-    handle: RequestHandle,
-    splitter: ToolCallSplitter | None,
-    reasoner: ReasoningSplitter | None,
-    first: Opening,
-    times: list[float],
-) -> AsyncIterator[bytes]:
+    the first token is awaited. Its tokens' times go to ``times``."""
     n_prompt = len(handle.request.prompt_tokens)
 
     def event(kind: str, **data: Any) -> bytes:

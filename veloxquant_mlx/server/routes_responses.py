@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from veloxquant_mlx.server.generation import (
     Opening,
     chain,
     collect,
+    ended_with,
     first_batch,
 )
 from veloxquant_mlx.server.reasoning import ReasoningSplitter, think_then_split
@@ -181,8 +182,10 @@ async def responses(req: ResponsesRequest, request: Request) -> Any:
     if req.stream:
         keepalive = st.settings.stream_keepalive
         first = await first_batch(request, st.engine, handle, keepalive or None)
+        times: list[float] = []
+        events = _events(st, built, handle, splitter, reasoner, first, times)
         return DeadlineStreamingResponse(
-            _events(st, built, handle, splitter, reasoner, first, arrived),
+            ended_with(events, st.engine, handle, st.metrics, arrived, times),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             write_timeout=st.settings.stream_write_timeout,
@@ -208,11 +211,11 @@ async def _events(
     splitter: ToolCallSplitter | None,
     reasoner: ReasoningSplitter | None,
     first: Opening,
-    arrived: float,
-) -> AsyncIterator[bytes]:
+    times: list[float],
+) -> AsyncGenerator[bytes, None]:
     """response.created ... output_text.delta ... response.completed, as OpenAI sends them
     (``response.in_progress`` again every ``--stream-keepalive`` seconds while the first token
-    is awaited)."""
+    is awaited). Its tokens' times go to ``times``."""
     seq = 0
 
     def event(kind: str, **data: Any) -> bytes:
@@ -221,146 +224,140 @@ async def _events(
         payload = {"type": kind, "sequence_number": seq - 1, **data}
         return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
-    times: list[float] = []
     finish: FinishEvent | None = None
     message: dict[str, Any] | None = None
     text_so_far: list[str] = []
-    try:
-        yield event("response.created", response=built.json("in_progress", None))
-        yield event("response.in_progress", response=built.json("in_progress", None))
+    yield event("response.created", response=built.json("in_progress", None))
+    yield event("response.in_progress", response=built.json("in_progress", None))
 
-        def open_message() -> list[bytes]:
-            nonlocal message
-            message = built.message_item("", "in_progress")
-            message["content"] = []
-            built.output.append(message)
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = built.message_item("", "in_progress")
+        message["content"] = []
+        built.output.append(message)
+        index = len(built.output) - 1
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            event("response.output_item.added", output_index=index, item=message),
+            event("response.content_part.added", item_id=message["id"],
+                  output_index=index, content_index=0, part=part),
+        ]  # fmt: skip
+
+    def text_delta(text: str) -> list[bytes]:
+        out = open_message() if message is None else []
+        assert message is not None
+        text_so_far.append(text)
+        out.append(event("response.output_text.delta", item_id=message["id"],
+                         output_index=built.output.index(message), content_index=0,
+                         delta=text, logprobs=[]))  # fmt: skip
+        return out
+
+    thinking: dict[str, Any] | None = None  # the reasoning item while it is open
+    thoughts: list[str] = []
+
+    def reasoning_delta(text: str) -> list[bytes]:
+        nonlocal thinking
+        out = []
+        if thinking is None:
+            thinking = built.reasoning_item("", "in_progress")
+            built.output.append(thinking)
+            out.append(event("response.output_item.added",
+                             output_index=len(built.output) - 1, item=thinking))  # fmt: skip
+        thoughts.append(text)
+        out.append(event("response.reasoning_text.delta", item_id=thinking["id"],
+                         output_index=built.output.index(thinking), content_index=0,
+                         delta=text))  # fmt: skip
+        return out
+
+    def close_reasoning() -> list[bytes]:
+        nonlocal thinking
+        assert thinking is not None
+        full, index = "".join(thoughts), built.output.index(thinking)
+        thinking.update(status="completed", content=[{"type": "reasoning_text", "text": full}])
+        done = [
+            event("response.reasoning_text.done", item_id=thinking["id"], output_index=index,
+                  content_index=0, text=full),
+            event("response.output_item.done", output_index=index, item=thinking),
+        ]  # fmt: skip
+        thinking = None
+        return done
+
+    def call_events(calls: list[dict[str, Any]]) -> list[bytes]:
+        out = []
+        for call in calls:
+            item = built.call_item(call, "in_progress")
+            built.output.append(item)
             index = len(built.output) - 1
-            part = {"type": "output_text", "text": "", "annotations": []}
-            return [
-                event("response.output_item.added", output_index=index, item=message),
-                event("response.content_part.added", item_id=message["id"],
-                      output_index=index, content_index=0, part=part),
-            ]  # fmt: skip
+            done = {**item, "status": "completed"}
+            built.output[index] = done
+            if item["type"] == "custom_tool_call":
+                body = [
+                    event("response.custom_tool_call_input.delta", item_id=item["id"],
+                          output_index=index, delta=item["input"]),
+                    event("response.custom_tool_call_input.done", item_id=item["id"],
+                          output_index=index, input=item["input"]),
+                ]  # fmt: skip
+            else:
+                body = [
+                    event("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=index, delta=item["arguments"]),
+                    event("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=index, name=item["name"], arguments=item["arguments"]),
+                ]  # fmt: skip
+            out += [
+                event("response.output_item.added", output_index=index, item=item),
+                *body,
+                event("response.output_item.done", output_index=index, item=done),
+            ]
+        return out
 
-        def text_delta(text: str) -> list[bytes]:
-            out = open_message() if message is None else []
-            assert message is not None
-            text_so_far.append(text)
-            out.append(event("response.output_text.delta", item_id=message["id"],
-                             output_index=built.output.index(message), content_index=0,
-                             delta=text, logprobs=[]))  # fmt: skip
-            return out
-
-        thinking: dict[str, Any] | None = None  # the reasoning item while it is open
-        thoughts: list[str] = []
-
-        def reasoning_delta(text: str) -> list[bytes]:
-            nonlocal thinking
-            out = []
-            if thinking is None:
-                thinking = built.reasoning_item("", "in_progress")
-                built.output.append(thinking)
-                out.append(event("response.output_item.added",
-                                 output_index=len(built.output) - 1, item=thinking))  # fmt: skip
-            thoughts.append(text)
-            out.append(event("response.reasoning_text.delta", item_id=thinking["id"],
-                             output_index=built.output.index(thinking), content_index=0,
-                             delta=text))  # fmt: skip
-            return out
-
-        def close_reasoning() -> list[bytes]:
-            nonlocal thinking
-            assert thinking is not None
-            full, index = "".join(thoughts), built.output.index(thinking)
-            thinking.update(status="completed", content=[{"type": "reasoning_text", "text": full}])
-            done = [
-                event("response.reasoning_text.done", item_id=thinking["id"], output_index=index,
-                      content_index=0, text=full),
-                event("response.output_item.done", output_index=index, item=thinking),
-            ]  # fmt: skip
-            thinking = None
-            return done
-
-        def call_events(calls: list[dict[str, Any]]) -> list[bytes]:
-            out = []
-            for call in calls:
-                item = built.call_item(call, "in_progress")
-                built.output.append(item)
-                index = len(built.output) - 1
-                done = {**item, "status": "completed"}
-                built.output[index] = done
-                if item["type"] == "custom_tool_call":
-                    body = [
-                        event("response.custom_tool_call_input.delta", item_id=item["id"],
-                              output_index=index, delta=item["input"]),
-                        event("response.custom_tool_call_input.done", item_id=item["id"],
-                              output_index=index, input=item["input"]),
-                    ]  # fmt: skip
-                else:
-                    body = [
-                        event("response.function_call_arguments.delta", item_id=item["id"],
-                              output_index=index, delta=item["arguments"]),
-                        event("response.function_call_arguments.done", item_id=item["id"],
-                              output_index=index, name=item["name"], arguments=item["arguments"]),
-                    ]  # fmt: skip
-                out += [
-                    event("response.output_item.added", output_index=index, item=item),
-                    *body,
-                    event("response.output_item.done", output_index=index, item=done),
-                ]
-            return out
-
-        async for batch in chain(*first, st.settings.stream_keepalive):
-            if not batch:  # an event, not a comment: Codex's idle timer counts events
-                yield event("response.in_progress", response=built.json("in_progress", None))
-                continue
-            out: list[bytes] = []
-            for ev in batch:
-                if isinstance(ev, TokenEvent):
-                    times.append(ev.time)
-                else:
-                    finish = ev
-                final = isinstance(ev, FinishEvent)
-                cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
-                thought, text, calls = think_then_split(reasoner, splitter, ev.text, final, cut)
-                if thought:
-                    out += reasoning_delta(thought)
-                if thinking is not None and (text or calls or final):
-                    out += close_reasoning()
-                if text:
-                    out += text_delta(text)
-                out += call_events(calls)
-            if out:
-                yield b"".join(out)
-        assert finish is not None
-        if finish.finish_reason not in RESULTS:
-            err = from_finish(finish)
-            yield event("error", code=err.code, message=err.message, param=None)
-            yield event("response.failed", response={
-                **built.json("failed", finish),
-                "error": {"code": err.code, "message": err.message},
-            })  # fmt: skip
-            return
-        call_kinds = ("function_call", "custom_tool_call")
-        if message is None and not any(i["type"] in call_kinds for i in built.output):
-            for chunk in open_message():
-                yield chunk
-        if message is not None:
-            full = "".join(text_so_far)
-            index = built.output.index(message)
-            part = {"type": "output_text", "text": full, "annotations": []}
-            message.update(status="completed", content=[part])
-            yield event("response.output_text.done", item_id=message["id"], output_index=index,
-                        content_index=0, text=full, logprobs=[])  # fmt: skip
-            yield event("response.content_part.done", item_id=message["id"], output_index=index,
-                        content_index=0, part=part)  # fmt: skip
-            yield event("response.output_item.done", output_index=index, item=message)
-        status = "completed"
-        result = built.json(status, finish)
-        _store(st, built, result)
-        yield event(f"response.{'incomplete' if finish.finish_reason == 'length' else status}",
-                    response=result)  # fmt: skip
-    finally:
-        if not handle.done:
-            st.engine.cancel(handle)
-        st.metrics.observe(arrived, times, finish.time if finish else time.monotonic())
+    async for batch in chain(*first, st.settings.stream_keepalive):
+        if not batch:  # an event, not a comment: Codex's idle timer counts events
+            yield event("response.in_progress", response=built.json("in_progress", None))
+            continue
+        out: list[bytes] = []
+        for ev in batch:
+            if isinstance(ev, TokenEvent):
+                times.append(ev.time)
+            else:
+                finish = ev
+            final = isinstance(ev, FinishEvent)
+            cut = final and ev.finish_reason == "length"  # type: ignore[union-attr]
+            thought, text, calls = think_then_split(reasoner, splitter, ev.text, final, cut)
+            if thought:
+                out += reasoning_delta(thought)
+            if thinking is not None and (text or calls or final):
+                out += close_reasoning()
+            if text:
+                out += text_delta(text)
+            out += call_events(calls)
+        if out:
+            yield b"".join(out)
+    assert finish is not None
+    if finish.finish_reason not in RESULTS:
+        err = from_finish(finish)
+        yield event("error", code=err.code, message=err.message, param=None)
+        yield event("response.failed", response={
+            **built.json("failed", finish),
+            "error": {"code": err.code, "message": err.message},
+        })  # fmt: skip
+        return
+    call_kinds = ("function_call", "custom_tool_call")
+    if message is None and not any(i["type"] in call_kinds for i in built.output):
+        for chunk in open_message():
+            yield chunk
+    if message is not None:
+        full = "".join(text_so_far)
+        index = built.output.index(message)
+        part = {"type": "output_text", "text": full, "annotations": []}
+        message.update(status="completed", content=[part])
+        yield event("response.output_text.done", item_id=message["id"], output_index=index,
+                    content_index=0, text=full, logprobs=[])  # fmt: skip
+        yield event("response.content_part.done", item_id=message["id"], output_index=index,
+                    content_index=0, part=part)  # fmt: skip
+        yield event("response.output_item.done", output_index=index, item=message)
+    status = "completed"
+    result = built.json(status, finish)
+    _store(st, built, result)
+    yield event(f"response.{'incomplete' if finish.finish_reason == 'length' else status}",
+                response=result)  # fmt: skip

@@ -37,6 +37,8 @@ class PrefillProgress:
     def chunks(self, chunks: list[Chunk]) -> None:
         """The turn launched ``chunks``: a line for each prompt ``EVERY_S`` seconds after its
         last, and one when a prompt that had a line finishes."""
+        if not chunks:  # most turns: nothing to read the clock for
+            return
         now = self._clock()
         for chunk in chunks:
             seq = chunk.seq
