@@ -48,12 +48,16 @@ def long_server(tmp_path_factory, default_model_dir) -> Iterator[Server]:
 
 
 def npm_installed(package_dir: Path, binary: str) -> Path:
-    """The ``node_modules/.bin/binary`` of ``package_dir``, installed there from its lock file
-    (``npm ci``) the first time."""
+    """The ``node_modules/.bin/binary`` of ``package_dir``, installed there the first time:
+    from its lock file (``npm ci``), or without one where the package pins its platform
+    binaries as optional dependencies (OpenCode's), which npm's lock file records only for
+    the platform that wrote it."""
     path = package_dir / "node_modules" / ".bin" / binary
     if not path.exists():
+        locked = (package_dir / "package-lock.json").exists()
+        command = ["ci"] if locked else ["install", "--no-package-lock"]
         subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--silent"],
+            ["npm", *command, "--no-audit", "--no-fund", "--silent"],
             cwd=package_dir, check=True, timeout=600,
         )  # fmt: skip
     return path
