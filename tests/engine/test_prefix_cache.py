@@ -219,7 +219,7 @@ def test_a_busy_dense_engine_does_not_copy_answers_out(make_engine):
     """Over the limit of running requests, a leaving row's generated pages are not cached
     (the next turn hits through its prompt only); under it, they are."""
     engine = make_engine(kv_cache_mb=32, max_running=8)
-    engine._core.scheduler.answers_up_to = 2  # the limit, small enough to test
+    engine._core.scheduler.tables.answers_up_to = 2  # the limit, small enough to test
     rng = random.Random(12)
     prompts = [words(rng, 20) for _ in range(4)]
     handles = [engine.submit(GenerationRequest(tuple(p), 40, GREEDY)) for p in prompts]

@@ -52,7 +52,7 @@ class Sharing(RuleBasedStateMachine):
         return seq
 
     def _register(self, seq: Seq) -> None:
-        self.sched.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
+        self.sched.tables.register(seq, min(seq.n_kv, len(seq.tokens)), lambda i: None)
 
     # ------------------------------------------------------------------ rules
 
@@ -89,7 +89,7 @@ class Sharing(RuleBasedStateMachine):
             if seq not in self.sched.running:
                 continue
             while True:
-                if self.sched.grow(seq, seq.n_kv + 1):
+                if self.sched.tables.grow(seq, seq.n_kv + 1):
                     seq.n_kv += 1
                     seq.tokens.append(7 + len(seq.tokens) % 3)
                     break
@@ -126,7 +126,7 @@ class Sharing(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         evictable = self.cache.n_evictable()
-        assert self.sched.reset_cache() == evictable * 2 * LAYERS
+        assert self.sched.tables.reset_cache() == evictable * 2 * LAYERS
         assert self.cache.n_evictable() == 0
 
     # ------------------------------------------------------------------ invariants
@@ -161,13 +161,13 @@ class Sharing(RuleBasedStateMachine):
         assert len(cached) == 2 * LAYERS * len(pages)
         assert self.pool.stats.blocks_in_use() == len(cached | set(in_tables))
         evictable = 2 * LAYERS * self.cache.n_evictable()
-        assert self.sched.blocks_in_use() == self.pool.stats.blocks_in_use() - evictable
+        assert self.sched.tables.blocks_in_use() == self.pool.stats.blocks_in_use() - evictable
         self.pool.check_invariants()
 
     def teardown(self) -> None:
         for seq in [*self.sched.running, *self.sched.waiting]:
             self.sched.finish(seq)
-        self.sched.reset_cache()
+        self.sched.tables.reset_cache()
         assert self.cache.pages() == []
         assert_pool_all_free(self.pool)
 

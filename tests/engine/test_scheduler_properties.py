@@ -136,7 +136,7 @@ class Tables(RuleBasedStateMachine):
             assert (self.kv._tables[slot, :, :per_stream] == seq.table).all()
         for seq in self.sched.waiting:
             assert seq.table == [] and self.pool.n_blocks_for(seq.request_id) == 0
-        assert self.pool.stats.blocks_in_use() == total == self.sched.blocks_in_use()
+        assert self.pool.stats.blocks_in_use() == total == self.sched.tables.blocks_in_use()
         assert all(s is None or s in self.sched.running for s in self.rows)
         self.pool.check_invariants()
 

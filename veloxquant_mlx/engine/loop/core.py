@@ -220,7 +220,7 @@ class EngineCore:
         results = runner.prefill(plan)
         self._progress.chunks(plan.chunks)
         clock.mark()
-        launched = runner.step(sched.max_block_id) if runner.rows else None
+        launched = runner.step(sched.tables.max_block_id) if runner.rows else None
         clock.mark()
         sched.decoded(runner.rows)
         if self._first_tokens_first and len(runner.rows) <= FIRST_TOKENS_FIRST_ROWS:
@@ -263,7 +263,7 @@ class EngineCore:
     def _cache_prompt(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> None:
         """A prefilled row joined: cache its prompt's full pages (``Runner.page_source``)."""
         if self.scheduler.cache is not None:
-            self.scheduler.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
+            self.scheduler.tables.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
 
     def run_before_ready(self, requests: Sequence[GenerationRequest], first_id: int) -> None:
         """Before the engine is ready (nothing else runs): queue ``requests`` (request ids from
@@ -296,7 +296,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns the blocks freed."""
-        freed = self.scheduler.reset_cache()
+        freed = self.scheduler.tables.reset_cache()
         self._changed = True
         return freed
 
@@ -347,7 +347,7 @@ class EngineCore:
         run: Running | None = seq.out
         try:
             if reason in ("stop", "length", "cancelled"):
-                self.scheduler.cache_leaving(seq)
+                self.scheduler.tables.cache_leaving(seq, len(self.scheduler.running))
             self._progress.left(seq, reason, seq.pages.n_known * self.runner.block_size)
             self.runner.remove(seq)
         finally:
@@ -386,7 +386,7 @@ class EngineCore:
         pool = self.scheduler.pool
         if in_token_blocks:
             target_free *= self.scheduler.blocks.blocks_per_token_block
-        if self.scheduler.reset_cache():
+        if self.scheduler.tables.reset_cache():
             self._changed = True
         streams = [stream] if stream != "kv" or not self.config.separate_kv else ["k", "v"]
         retired = 0

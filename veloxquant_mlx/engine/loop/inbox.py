@@ -61,11 +61,13 @@ def snapshot_of(sched: Scheduler, runner: Runner, holds_a_request: bool) -> Step
     return StepSnapshot(
         running=len(sched.running),
         waiting=len(sched.waiting),
-        blocks_in_use=sched.blocks_in_use(),
+        blocks_in_use=sched.tables.blocks_in_use(),
         preemptions_total=sched.preemptions,
         kv_layout=runner.kv.kind,
-        kv_format=sched.kv_format,
-        kv_format_blocks=tuple(sorted(sched.blocks_by_format().items())) if sched.mixed else (),
+        kv_format=sched.tables.kv_format,
+        kv_format_blocks=tuple(sorted(sched.tables.blocks_by_format(sched.running).items()))
+        if sched.tables.mixed
+        else (),
         **_window(sched),
         ragged_attention=runner.kv.ragged.label,
         kv_working_bytes=runner.kv.nbytes(),
@@ -119,5 +121,5 @@ def _window(sched: Scheduler) -> dict[str, Any]:
     """The residual windows' format and the blocks they hold (--kv-recent-tokens)."""
     if not sched.blocks.windows:
         return {}
-    return {"kv_window_format": sched.window_format,
-            "kv_window_blocks": sched.window_blocks_in_use()}  # fmt: skip
+    return {"kv_window_format": sched.tables.window_format,
+            "kv_window_blocks": sched.tables.window_blocks_in_use(sched.running)}  # fmt: skip

@@ -197,8 +197,8 @@ def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple
     how many requests ran and the prompt tokens they found cached (the long conversation's
     second turn)."""
     sched, cache = core.scheduler, core.scheduler.cache
-    hooks = (sched.disk, None if cache is None else cache.on_evict)
-    sched.disk = None  # the synthetic prompts neither read nor write the disk tier
+    hooks = (sched.tables.disk, None if cache is None else cache.on_evict)
+    sched.tables.disk = None  # the synthetic prompts neither read nor write the disk tier
     if cache is not None:
         cache.on_evict = None
     n = 0
@@ -206,8 +206,8 @@ def run_warm_up(core: EngineCore, waves: list[list[GenerationRequest]]) -> tuple
         core.run_before_ready(wave, WARM_UP_ID + n)
         n += len(wave)
     hits = 0 if cache is None else cache.counts.hits
-    sched.reset_cache()
-    sched.disk = hooks[0]
+    sched.tables.reset_cache()
+    sched.tables.disk = hooks[0]
     if cache is not None:
         cache.on_evict = hooks[1]
         cache.counts = CacheCounts()

@@ -195,7 +195,7 @@ def disk_tier(
         tuple(part.dtype for part in probe),
     )
     cache.root = tier.root_digest
-    scheduler.disk = tier
+    scheduler.tables.disk = tier
     cache.on_evict = lambda pages: save_pages(tier, runner.kv, pages)
     return tier
 
@@ -342,8 +342,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         window_format=geometry.dtype,
         spans=spans,
     )
-    scheduler.row_pages = runner.row_pages
-    scheduler.prefill_pages = runner.prefill_pages
+    scheduler.tables.row_pages = runner.row_pages
+    scheduler.tables.prefill_pages = runner.prefill_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
