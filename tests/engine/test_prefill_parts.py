@@ -175,8 +175,9 @@ def test_the_parts_per_backend_and_as_set(monkeypatch):
 
 
 def test_adaptive_parts_learn_from_the_engines_turns_with_the_same_tokens(make_engine):
-    # On this CPU a 64-token chunk over hundreds of cached tokens is many decode steps long:
-    # once one is measured, later chunks go in more parts than the start's. The streams
+    # On this CPU a 64-token chunk over hundreds of cached tokens is several decode steps
+    # long: once one is measured, later chunks go in parts (how many depends on the machine's
+    # load, which moves the chunks' cost and the steps' gaps alike: 3-8 seen). The streams
     # decode 400 tokens, so they outlast the prompt's chunks however many parts a loaded
     # machine's timings teach (with 120 a busy CI machine's learned parts outran them once:
     # the last chunks went in whole, beside nobody).
@@ -186,4 +187,5 @@ def test_adaptive_parts_learn_from_the_engines_turns_with_the_same_tokens(make_e
     assert staged_whole == 0 and staged >= 9 * (START - 1), staged  # nine chunks beside
     learned = engine._core.scheduler.parts
     assert learned.rate is not None and learned.rate > 0
-    assert learned.parts(64, 2) > START
+    assert learned.gaps.reference(2) is not None  # the two streams' own gaps
+    assert learned.parts(64, 2) > 1

@@ -149,16 +149,24 @@ class PagedKV:
     ) -> None:
         """Write a prefilled row's KV into its blocks from position ``start`` on (before it:
         cached pages, already there) and mirror its table."""
-        self._flush()  # a pending token of a row that left must not land over this one
         self.set_table(row, table)
-        n = layers[0][0].shape[2]
-        self._ensure(int(self._tables[row, :, : len(table[0])].max()), layers[0][0])
-        if start >= n:
+        self.put_span(layers, table, start, layers[0][0].shape[2])
+
+    def put_span(
+        self, layers: list[tuple[mx.array, mx.array]], table: Any, start: int, end: int
+    ) -> None:
+        """Write positions ``start`` to ``end`` of a prompt's KV (``layers``, from position 0)
+        into the blocks of its ``table`` (per layer and stream): a joining row's, or the
+        pages a prompt cut short in its prefill leaves cached."""
+        self._flush()  # a pending token of a row that left must not land over this one
+        ids_all = np.asarray(table, dtype=np.int64)  # [2L, blocks]
+        self._ensure(int(ids_all.max()), layers[0][0])
+        if start >= end:
             return
-        pos = np.arange(start, n)
-        ids = self._tables[row][:, pos // self.block_size]  # [2L, n]
+        pos = np.arange(start, end)
+        ids = ids_all[:, pos // self.block_size]  # [2L, n]
         where = self._rows_of(ids, pos).transpose(0, 2, 1)  # [2L, heads, n]
-        vals = mx.stack([t[0, :, start:] for kv in layers for t in kv])  # [2L, heads, n, dim]
+        vals = mx.stack([t[0, :, start:end] for kv in layers for t in kv])  # [2L, heads, n, dim]
         assert self.store is not None
         dim = self.store.shape[1]
         self.store[mx.array(where.reshape(-1))] = vals.reshape(-1, dim).astype(self.store.dtype)

@@ -30,6 +30,7 @@ from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
 from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
 from veloxquant_mlx.kv.compiled_step import CompiledStep, decode_logits
 from veloxquant_mlx.kv.layout import KVLayout
+from veloxquant_mlx.kv.paged import PagedKV
 
 
 class Runner:
@@ -243,13 +244,16 @@ class Runner:
         """What a prompt that leaves before it joined the batch (its client gave up: agents
         resend a prompt whose prefill outlasted their timeout; or it was preempted) has
         written: how many of its tokens have KV in its prefill caches, and ``kv_of`` for
-        their pages; None if nothing (no chunk run yet, or the paged layout, whose blocks a
-        prompt writes only when it joins)."""
+        their pages; None if nothing (no chunk run yet). The paged layout writes a prompt's
+        blocks when it joins: here its full pages past the cached ones are written first."""
         state = seq.state
-        if state is None or state.caches is None or self.kv.keeps_pages:
+        if state is None or state.caches is None:
             return None
         layers = filled(state.caches)
         n = min(seq.n_kv, len(seq.tokens), int(layers[0][0].shape[2]))
+        if isinstance(self.kv, PagedKV) and seq.table:
+            start = seq.pages.n_known * self.block_size
+            self.kv.put_span(layers, seq.table, start, n // self.block_size * self.block_size)
         return n, self.page_source(seq, layers, n)
 
     def copied_out(self) -> bool:
