@@ -4,7 +4,7 @@ step copy the working set.
 MLX writes an array in place only when nothing else holds it. A copy of a leaving row's pages
 (``row_span``, cached for the conversation's next turn) that is still pending when the next
 step writes the working set makes that write copy the whole layer; the engine starts the copy
-at once and launches the next step once it has run (``Runner.copied_out``). These tests watch
+at once and launches the next step once it has run (``PageCopies.copied_out``). These tests watch
 MLX's peak memory, which a copy of the working set raises by a layer's size.
 """
 
@@ -73,7 +73,7 @@ def test_a_copy_started_at_once_and_waited_for_keeps_the_next_step_in_place() ->
     def at_once() -> None:
         copied.extend(answer_copy(kv))
         mx.async_eval(copied)
-        mx.synchronize()  # the engine's launch after a copy out (Runner.copied_out)
+        mx.synchronize()  # the engine's launch after a copy out (PageCopies.copied_out)
         step(kv, N + 1, [])
 
     assert layer_copies(kv, at_once) < 0.5

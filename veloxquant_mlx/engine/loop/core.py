@@ -228,7 +228,7 @@ class EngineCore:
                 self._absorb(sampled)
             results = []
         if launched is not None:
-            if (self._launch_after and self._inflight) or runner.copied_out():
+            if (self._launch_after and self._inflight) or runner.pages.copied_out():
                 # Built while the previous step ran (or a leaving row's pages were copied out
                 # of the working set); launched once MLX has let go of their inputs
                 # (synchronize, not the tokens: they are ready before that), so the step's
@@ -261,9 +261,11 @@ class EngineCore:
     # ------------------------------------------------------------------ prefix cache
 
     def _cache_prompt(self, seq: Seq, layers: list[tuple[mx.array, mx.array]]) -> None:
-        """A prefilled row joined: cache its prompt's full pages (``Runner.page_source``)."""
+        """A prefilled row joined: cache its prompt's full pages (``PageCopies.page_source``)."""
         if self.scheduler.cache is not None:
-            self.scheduler.tables.register(seq, seq.n_kv, self.runner.page_source(seq, layers))
+            self.scheduler.tables.register(
+                seq, seq.n_kv, self.runner.pages.page_source(seq, layers)
+            )
 
     def run_before_ready(self, requests: Sequence[GenerationRequest], first_id: int) -> None:
         """Before the engine is ready (nothing else runs): queue ``requests`` (request ids from

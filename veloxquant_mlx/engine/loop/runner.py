@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.engine.loop.join_clock import Launch
 from veloxquant_mlx.engine.loop.joins import JoinQueue, Prefilled
-from veloxquant_mlx.engine.loop.prefill import Prefiller, filled
+from veloxquant_mlx.engine.loop.page_copies import PageCopies
+from veloxquant_mlx.engine.loop.prefill import Prefiller
 from veloxquant_mlx.engine.loop.rows import RowState, Sampled, next_input, row_state
 from veloxquant_mlx.engine.loop.seq import Seq, StepPlan
 from veloxquant_mlx.engine.request.grammar import GrammarRow, fill_masks
@@ -30,7 +30,6 @@ from veloxquant_mlx.engine.request.logit_filters import bitmask_to_allowed
 from veloxquant_mlx.engine.request.sampling import BatchSampler, Drawn, RowSampling
 from veloxquant_mlx.kv.compiled_step import CompiledStep, decode_logits
 from veloxquant_mlx.kv.layout import KVLayout
-from veloxquant_mlx.kv.paged import PagedKV
 
 
 class Runner:
@@ -72,8 +71,9 @@ class Runner:
         # Called with (seq, its prompt's KV per layer) when a prefilled row joins the batch.
         self.on_join: Callable[[Seq, list[tuple[mx.array, mx.array]]], None] | None = None
         self._deferred: list[mx.array] = []  # evaluated with the next launch
-        self._copied_out = False  # a leaving row's pages were copied since the last launch
         self.rows: list[Seq | None] = []  # by slot; None: a hole a leaver left
+        # what the prefix cache keeps of the rows' and prompts' KV (page_copies.py)
+        self.pages = PageCopies(kv, block_size, self.rows, self.defer)
         self._n_layers = len(make_prompt_cache(model))
         # the decode forward over the dense layout, compiled (kv.compiled_step)
         self.compiled = (
@@ -214,85 +214,6 @@ class Runner:
         if cache_pages and self.on_join is not None:
             self.on_join(seq, layers)
 
-    def page_source(
-        self, seq: Seq, layers: list[tuple[mx.array, mx.array]], n_tokens: int | None = None
-    ) -> Any:
-        """What the prefix cache keeps for the joined ``seq``'s prompt page ``i``
-        (``kv_of(i)``): nothing where the layout keeps pages in the pool's blocks (paged); in
-        the dense layout, one copy per layer and stream of the new pages' span, made on the
-        first call and evaluated with the next launch (pages point into it: a few copies per
-        request, not one per page and layer)."""
-        encode = self.kv.layout_for(seq.kv_format).encode_span
-        return self._span_source(
-            seq,
-            lambda a, b: [(encode(k[:, :, a:b]), encode(v[:, :, a:b])) for k, v in layers],
-            n_tokens=n_tokens,
-        )
-
-    def row_pages(self, seq: Seq) -> Any:
-        """``kv_of`` for the pages a leaving row generated (``Scheduler.cache_leaving``), None
-        if ``seq`` is not a row of the batch: in the dense layout a copy out of the row's slot
-        of the working set, started at once (not deferred to the next launch): a read of the
-        working set still pending when the next step writes it makes that write copy every
-        layer's working set (``copied_out`` says the launch must wait for it)."""
-        if seq not in self.rows:
-            return None
-        slot = self.rows.index(seq)
-        return self._span_source(seq, lambda a, b: self.kv.row_span(slot, a, b), at_once=True)
-
-    def prefill_pages(self, seq: Seq) -> tuple[int, Any] | None:
-        """What a prompt that leaves before it joined the batch (its client gave up: agents
-        resend a prompt whose prefill outlasted their timeout; or it was preempted) has
-        written: how many of its tokens have KV in its prefill caches, and ``kv_of`` for
-        their pages; None if nothing (no chunk run yet). The paged layout writes a prompt's
-        blocks when it joins: here its full pages past the cached ones are written first."""
-        state = seq.state
-        if state is None or state.caches is None:
-            return None
-        layers = filled(state.caches)
-        n = min(seq.n_kv, len(seq.tokens), int(layers[0][0].shape[2]))
-        if isinstance(self.kv, PagedKV) and seq.table:
-            start = seq.pages.n_known * self.block_size
-            self.kv.put_span(layers, seq.table, start, n // self.block_size * self.block_size)
-        return n, self.page_source(seq, layers, n)
-
-    def copied_out(self) -> bool:
-        """Whether a leaving row's pages were copied out of the working set since the last
-        launch (``row_pages``). MLX writes an array in place only when nothing else holds it,
-        and it holds a launched copy's input until the copy has run: the next step is
-        launched once the copy is done (``mx.synchronize``), or its first write to each
-        layer's working set copies the whole of it (BENCHMARKS.md, "Answers cached")."""
-        return self._copied_out
-
-    def _span_source(
-        self,
-        seq: Seq,
-        read: Callable[[int, int], list[Any]],
-        at_once: bool = False,
-        n_tokens: int | None = None,
-    ) -> Any:
-        bs = self.block_size
-        region: list[Any] = []  # [(first page index, [(k, v) per layer])]
-
-        def kv_of(i: int) -> Any:
-            if self.kv.keeps_pages:
-                return None
-            if not region:
-                known = min(seq.n_kv, len(seq.tokens)) if n_tokens is None else n_tokens
-                end = known // bs * bs
-                span = tree_map(mx.contiguous, read(i * bs, end))  # quantized: 3 parts each
-                flat: list[mx.array] = [x for _, x in tree_flatten(span)]  # type: ignore[misc,str-unpack]
-                if at_once:
-                    mx.async_eval(flat)
-                    self._copied_out = True
-                else:
-                    self.defer(flat)
-                region.append((i, span))
-            first, span = region[0]
-            return span, i - first
-
-        return kv_of
-
     # ------------------------------------------------------------------ decode
 
     def grew(self, seq: Seq, old_blocks: int) -> None:
@@ -331,7 +252,7 @@ class Runner:
         """Start evaluating a built step (asynchronously; ``Sampled.tokens`` is read later),
         with whatever was deferred to it (``defer``)."""
         extra, self._deferred = self._deferred, []
-        self._copied_out = False
+        self.pages.launched()
         mx.async_eval(sampled.tokens, *_logprob_arrays(sampled.drawn), *sampled.drawn.state, *extra)
 
     def defer(self, arrays: list[mx.array]) -> None:
@@ -394,7 +315,9 @@ class Runner:
         row is constrained (``_constrained``), and the layout lets a step run while the
         previous one does (its writes stay in place) with no leaving row's pages being copied
         out."""
-        return bool(constrained) and not self.kv.launch_after_previous and not self._copied_out
+        return (
+            bool(constrained) and not self.kv.launch_after_previous and not self.pages.copied_out()
+        )
 
     def _allowed(
         self, rows: list[tuple[int, RowState]], n_rows: int, inputs: mx.array | None

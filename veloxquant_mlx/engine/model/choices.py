@@ -21,7 +21,7 @@ PREFILL_BUDGET = {"cpu": 64, "gpu": 512}
 
 # In the dense layout, ``--prefix-cache-answers auto`` caches a leaving row's generated pages
 # while at most this many requests run: each copy out of the working set makes the next step
-# wait for it before its launch (``Runner.copied_out``), a cost that grows with the batch (at
+# wait for it before its launch (``PageCopies.copied_out``), a cost that grows with the batch (at
 # 128 clients a row leaves almost every step), while agents run a few sessions.
 ANSWERS_UP_TO = 16
 

@@ -342,8 +342,8 @@ def build_runtime(cfg: EngineConfig) -> Runtime:
         window_format=geometry.dtype,
         spans=spans,
     )
-    scheduler.tables.row_pages = runner.row_pages
-    scheduler.tables.prefill_pages = runner.prefill_pages
+    scheduler.tables.row_pages = runner.pages.row_pages
+    scheduler.tables.prefill_pages = runner.pages.prefill_pages
     disk = disk_tier(cfg, scheduler, runner, geometry, path, group is not None, codec)
     mx.eval(mx.zeros(1))
     blas = blas_in_use()
