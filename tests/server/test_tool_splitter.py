@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.tool_parsers.json_tools import parse_tool_call
 
-from veloxquant_mlx.server.tools import ToolCallSplitter
+from veloxquant_mlx.server.tool_calls import ToolCallSplitter
 
 START, END = "<tool_call>", "</tool_call>"
 

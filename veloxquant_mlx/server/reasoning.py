@@ -122,8 +122,8 @@ def think_then_split(
     truncated: bool = False,
 ) -> tuple[str, str, list[Any]]:
     """(reasoning, content, tool calls) that ``text`` releases: the reasoning first, then the
-    answer's content and calls (``tools.split``: calls are read from the answer only)."""
-    from veloxquant_mlx.server.tools import split
+    answer's content and calls (``tool_calls.split``: calls are read from the answer only)."""
+    from veloxquant_mlx.server.tool_calls import split
 
     reasoning = ""
     if reasoner is not None:

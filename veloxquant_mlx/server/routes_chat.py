@@ -31,10 +31,9 @@ from veloxquant_mlx.server.submission import (
     submit_all,
     token_text,
 )
+from veloxquant_mlx.server.tool_calls import ToolCallSplitter, splitter_for
 from veloxquant_mlx.server.tools import (
-    ToolCallSplitter,
     render_template,
-    splitter_for,
     strict_calls_grammar,
     template_messages,
     template_tools,

@@ -39,8 +39,8 @@ from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.schemas import ChatCompletionRequest
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
 from veloxquant_mlx.server.submission import check_model
+from veloxquant_mlx.server.tool_calls import ToolCallSplitter
 from veloxquant_mlx.server.tools import (
-    ToolCallSplitter,
     render_template,
     template_messages,
     template_tools,

@@ -35,7 +35,7 @@ from veloxquant_mlx.server.responses_api import (
 from veloxquant_mlx.server.responses_tools import ToolSet
 from veloxquant_mlx.server.routes_chat import prepare_chat
 from veloxquant_mlx.server.streaming import DeadlineStreamingResponse
-from veloxquant_mlx.server.tools import ToolCallSplitter
+from veloxquant_mlx.server.tool_calls import ToolCallSplitter
 
 log = logging.getLogger("veloxquant.server")
 router = APIRouter(prefix="/v1")  # the API key is checked before the body (middleware)
