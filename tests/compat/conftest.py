@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -61,3 +62,16 @@ def npm_installed(package_dir: Path, binary: str) -> Path:
             cwd=package_dir, check=True, timeout=600,
         )  # fmt: skip
     return path
+
+
+def access_lines(srv: Server, route: str) -> list[dict[str, int | str]]:
+    """``srv``'s access-log lines for ``POST route``, in order: each line's ``prompt`` and
+    ``cached`` token counts, and the line itself."""
+    out: list[dict[str, int | str]] = []
+    for line in srv.log().splitlines():
+        if f"POST {route} " not in line:
+            continue
+        fields = {k: int(re.search(f" {k}=(\\d+)", line).group(1))  # type: ignore[union-attr]
+                  for k in ("prompt", "cached")}  # fmt: skip
+        out.append({**fields, "line": line})
+    return out

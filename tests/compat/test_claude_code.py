@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.compat.conftest import npm_installed
+from tests.compat.conftest import access_lines, npm_installed
 from tests.e2e.conftest import Server
 
 CLAUDE_DIR = Path(__file__).resolve().parent / "claude"
@@ -46,14 +45,7 @@ def claude(server: Server, home: Path, *args: str) -> dict:
 
 
 def requests(server: Server) -> list[dict[str, int | str]]:
-    out = []
-    for line in server.log().splitlines():
-        if "POST /v1/messages " not in line:
-            continue
-        fields = {k: int(re.search(f" {k}=(\\d+)", line).group(1))  # type: ignore[union-attr]
-                  for k in ("prompt", "cached")}  # fmt: skip
-        out.append({**fields, "line": line})
-    return out
+    return access_lines(server, "/v1/messages")
 
 
 def test_claude_code_turns_over_the_messages_api(long_server, tmp_path):

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.compat.conftest import npm_installed
+from tests.compat.conftest import access_lines, npm_installed
 from tests.e2e.conftest import Server
 
 CODEX_DIR = Path(__file__).resolve().parent / "codex"
@@ -53,11 +52,10 @@ def test_codex_turns_over_the_responses_api(long_server, tmp_path):
         assert messages and messages[-1], events  # the answer arrived
         # and it ended where the server's --default-max-tokens cut it, nowhere else
         assert all("max_output_tokens" in f for f in failures), failures
-        lines = [ln for ln in long_server.log().splitlines() if "POST /v1/responses" in ln]
-        assert len(lines) == turn + 1 and " 200 " in lines[-1], lines
-        prompt, cached = (int(re.search(f" {k}=(\\d+)", lines[-1]).group(1))  # type: ignore[union-attr]
-                          for k in ("prompt", "cached"))  # fmt: skip
+        served = access_lines(long_server, "/v1/responses")
+        assert len(served) == turn + 1 and " 200 " in str(served[-1]["line"]), served
+        prompt, cached = int(served[-1]["prompt"]), int(served[-1]["cached"])
         assert prompt > 10_000  # Codex's own prompt, its tools and the turn
         if turn:  # the resumed turn is the first one's prompt and answer, cached
-            assert cached >= prompt - 64, lines[-1]
+            assert cached >= prompt - 64, served[-1]["line"]
     assert "tools of types web_search left out" in long_server.log()

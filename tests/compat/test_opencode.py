@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.compat.conftest import npm_installed
+from tests.compat.conftest import access_lines, npm_installed
 from tests.e2e.conftest import Server
 
 OPENCODE_DIR = Path(__file__).resolve().parent / "opencode"
@@ -72,17 +71,6 @@ def opencode(project: Path, home: Path, *args: str) -> list[dict]:
     return events
 
 
-def chat_requests(server: Server) -> list[dict[str, int | str]]:
-    out = []
-    for line in server.log().splitlines():
-        if "POST /v1/chat/completions " not in line:
-            continue
-        fields = {k: int(re.search(f" {k}=(\\d+)", line).group(1))  # type: ignore[union-attr]
-                  for k in ("prompt", "cached")}  # fmt: skip
-        out.append({**fields, "line": line})
-    return out
-
-
 def test_opencode_turns_over_chat_completions(long_server, tmp_path):
     npm_installed(OPENCODE_DIR, "opencode")
     project, home = tmp_path / "project", tmp_path / "home"
@@ -97,7 +85,7 @@ def test_opencode_turns_over_chat_completions(long_server, tmp_path):
         errors = [e for e in events if e.get("type") == "error"]
         assert texts and texts[-1] and not errors, events  # the answer arrived
         assert finishes and finishes[-1]["reason"] == "length", finishes
-        served = chat_requests(long_server)[seen:]
+        served = access_lines(long_server, "/v1/chat/completions")[seen:]
         seen += len(served)
         assert served and all(" 200 " in r["line"] for r in served), served
         main = max(served, key=lambda r: r["prompt"])  # the turn, not the title request

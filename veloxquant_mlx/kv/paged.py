@@ -149,6 +149,7 @@ class PagedKV:
     ) -> None:
         """Write a prefilled row's KV into its blocks from position ``start`` on (before it:
         cached pages, already there) and mirror its table."""
+        self._flush()  # before the row's table changes: a pending token of a leaver lands first
         self.set_table(row, table)
         self.put_span(layers, table, start, layers[0][0].shape[2])
 
